@@ -1,0 +1,84 @@
+"""Private helpers on leaf values and flat keys: key strings, value equality, tensor metadata."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dsdmerge.errors import StateDictTypeError
+
+__all__: list[str] = []
+
+MISSING: Any = object()
+
+
+def key_str(key: object, where: str) -> str:
+    """The flat-key spelling of a nested key: ``str`` as is, ``int`` in decimal."""
+    tp = type(key)
+    if tp is str:
+        return key  # type: ignore[return-value]
+    if tp is int:
+        return str(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(int(key))
+    place = f"under {where!r}" if where else "at the top level"
+    raise StateDictTypeError(
+        f"key {key!r} {place} is a {tp.__name__}; state dict keys must be str "
+        "(module paths, state names) or int (optimizer param ids)."
+    )
+
+
+def freeze(value: Any) -> Any:
+    """A hashable stand-in for a hyperparameter value: equal values, equal stand-ins.
+
+    Floats compare by value (NaN equals NaN here), tuples and lists element-wise,
+    small CPU tensors by dtype, shape and contents; anything unhashable by identity.
+    """
+    tp = type(value)
+    if tp is float:
+        return (float, "nan") if math.isnan(value) else (float, value)
+    if tp in (str, int, bool) or value is None:
+        return (tp, value)
+    if tp is tuple or tp is list:
+        return (tp, tuple(freeze(item) for item in value))
+    if tp is torch.Tensor:
+        if value.device.type == "cpu" and value.numel() <= 64:
+            return (tp, str(value.dtype), tuple(value.shape), repr(value.tolist()))
+        return (tp, id(value))
+    if isinstance(value, Mapping):
+        return (Mapping, tuple((freeze(k), freeze(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return (tp, value)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two hyperparameter values are equal in the sense of :func:`freeze`."""
+    if a is b:
+        return True
+    try:
+        return bool(freeze(a) == freeze(b))
+    except Exception:  # an exotic __eq__; treat as different  # noqa: BLE001
+        return False
+
+
+def tensor_types(values: Any) -> frozenset[type]:
+    """The distinct types among ``values`` that are tensor-like (have ``shape`` and ``dtype``).
+
+    A type is tensor-like when the class itself defines both attributes:
+    ``torch.Tensor`` and its subclasses (``Parameter``, ``DTensor``, meta
+    tensors), :class:`~dsdmerge.TensorMeta`, NumPy arrays.
+    """
+    return frozenset(
+        tp for tp in set(map(type, values)) if hasattr(tp, "shape") and hasattr(tp, "dtype")
+    )
+
+
+def shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:
+    """The ``(shape, dtype)`` of a tensor-like value, the shape as a tuple of ints."""
+    return tuple(int(n) for n in value.shape), value.dtype

@@ -1,0 +1,181 @@
+"""Key diffs between a checkpoint and a reference state dict.
+
+A :class:`KeyDiff` is data, not a printout: three tuples of flat keys (and
+mismatch records) that a trainer can log, test or turn into JSON, and a
+readable ``str()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from dsdmerge._values import shape_dtype
+
+__all__ = ["KeyDiff", "Mismatch", "TensorMeta", "diff"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What dsdmerge knows about a tensor without its data: shape and dtype.
+
+    It is a tensor-like leaf: :func:`diff` and :func:`~dsdmerge.merge` compare
+    it with tensors and with other ``TensorMeta`` by shape and dtype. Checkpoint
+    views that read metadata only hold these instead of tensors.
+
+    Attributes:
+        shape: The global shape, a tuple of ints.
+        dtype: The dtype, usually a ``torch.dtype``.
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> dm.TensorMeta.of(torch.zeros(2, 3))
+        TensorMeta(shape=(2, 3), dtype=torch.float32)
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @classmethod
+    def of(cls, tensor: Any) -> TensorMeta:
+        """The metadata of a tensor-like value (anything with ``shape`` and ``dtype``)."""
+        shape, dtype = shape_dtype(tensor)
+        return cls(shape, dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready ``{"shape": [...], "dtype": "float32"}``."""
+        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``"float32"``; other dtypes by ``str()``."""
+    text = str(dtype)
+    return text[len("torch.") :] if text.startswith("torch.") else text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A key in both state dicts whose tensors differ in shape or dtype.
+
+    Attributes:
+        key: The flat key.
+        checkpoint: Shape and dtype in the checkpoint.
+        reference: Shape and dtype in the reference.
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> m = dm.diff({"w": torch.zeros(2)}, {"w": torch.zeros(3)}).mismatched[0]
+        >>> m.key, m.shape_differs, m.dtype_differs
+        ('w', True, False)
+    """
+
+    key: str
+    checkpoint: TensorMeta
+    reference: TensorMeta
+
+    @property
+    def shape_differs(self) -> bool:
+        """Whether the shapes differ (``torch`` rejects this on load)."""
+        return self.checkpoint.shape != self.reference.shape
+
+    @property
+    def dtype_differs(self) -> bool:
+        """Whether the dtypes differ (``torch`` casts silently on load)."""
+        return bool(self.checkpoint.dtype != self.reference.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with the key and both sides' shape and dtype."""
+        return {
+            "key": self.key,
+            "checkpoint": self.checkpoint.to_dict(),
+            "reference": self.reference.to_dict(),
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyDiff:
+    """The differences between a checkpoint and a reference, by flat key.
+
+    Attributes:
+        missing: Keys in the reference but not in the checkpoint, in reference
+            order (a default merge takes them from the reference).
+        unexpected: Keys in the checkpoint but not in the reference, in
+            checkpoint order (a default merge keeps them).
+        mismatched: Keys in both whose tensors differ in shape or dtype, in
+            reference order.
+
+    ``bool(diff)`` is ``False`` iff all three are empty; ``str(diff)`` is a
+    readable report.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> d = dm.KeyDiff(missing=("a",))
+        >>> bool(d), d.missing, bool(dm.KeyDiff())
+        (True, ('a',), False)
+    """
+
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[Mismatch, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def __str__(self) -> str:
+        from dsdmerge.report import render
+
+        return render(self)
+
+    @property
+    def mismatched_keys(self) -> tuple[str, ...]:
+        """The keys of :attr:`mismatched`, in the same order."""
+        return tuple(m.key for m in self.mismatched)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with lists ``missing``, ``unexpected`` and ``mismatched``.
+
+        Example:
+            >>> import dsdmerge as dm
+            >>> dm.KeyDiff(missing=("a",)).to_dict()
+            {'missing': ['a'], 'unexpected': [], 'mismatched': []}
+        """
+        return {
+            "missing": list(self.missing),
+            "unexpected": list(self.unexpected),
+            "mismatched": [m.to_dict() for m in self.mismatched],
+        }
+
+
+def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyDiff:
+    """Compare a checkpoint with a reference state dict, by flat key.
+
+    Either side may be flat or nested (a nested side is compared as its
+    :func:`~dsdmerge.flatten` would be), or a metadata-only view whose values
+    are :class:`TensorMeta`. Shapes and dtypes are compared only where both
+    values are tensor-like; scalars are never mismatched. Does not modify its
+    inputs.
+
+    Args:
+        checkpoint: The state dict you loaded.
+        reference: The state dict the model or optimizer has now.
+
+    Returns:
+        The :class:`KeyDiff`.
+
+    Raises:
+        StateDictTypeError: An argument is not a mapping.
+        LayoutError: An argument is malformed (see :func:`~dsdmerge.flatten`).
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> ckpt = {"w": torch.zeros(2), "old": torch.zeros(1)}
+        >>> ref = {"w": torch.zeros(2), "head": torch.zeros(4)}
+        >>> d = dm.diff(ckpt, ref)
+        >>> d.missing, d.unexpected, d.mismatched
+        (('head',), ('old',), ())
+    """
+    from dsdmerge._engine import run
+
+    outcome = run(checkpoint, reference, merge=False)
+    return KeyDiff(tuple(outcome.missing), tuple(outcome.unexpected), tuple(outcome.mismatches))

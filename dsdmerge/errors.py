@@ -1,0 +1,91 @@
+"""The exceptions and the warning dsdmerge raises.
+
+Every error dsdmerge raises for bad input or a policy violation is a
+:class:`DSDMergeError`. Each subclass also subclasses the builtin it is closest
+to, so existing ``except ValueError`` / ``except TypeError`` handlers keep
+working::
+
+    DSDMergeError(Exception)
+    ├── LayoutError(DSDMergeError, ValueError)         malformed or ambiguous structure
+    ├── StateDictTypeError(DSDMergeError, TypeError)   not a state dict, or a bad key type
+    └── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
+
+    DSDMergeWarning(UserWarning)                        a difference the policy reports
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsdmerge.diff import KeyDiff
+
+__all__ = [
+    "DSDMergeError",
+    "DSDMergeWarning",
+    "LayoutError",
+    "MergeError",
+    "StateDictTypeError",
+]
+
+
+class DSDMergeError(Exception):
+    """Base class of every error dsdmerge raises for bad input or a policy violation.
+
+    Attributes:
+        diff: The :class:`~dsdmerge.KeyDiff` that led to the error, or ``None``
+            when the error is not about a difference between two state dicts.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> try:
+        ...     dm.classify([1, 2])
+        ... except dm.DSDMergeError as err:
+        ...     print(type(err).__name__)
+        StateDictTypeError
+    """
+
+    diff: KeyDiff | None
+
+    def __init__(self, message: str, *, diff: KeyDiff | None = None) -> None:
+        super().__init__(message)
+        self.diff = diff
+
+
+class LayoutError(DSDMergeError, ValueError):
+    """A state dict whose structure is malformed or cannot be converted losslessly.
+
+    Raised for flat keys that collide, for a mapping that mixes nested optimizer
+    sections with flattened keys, for cycles, and for flat keys that
+    :func:`~dsdmerge.unflatten` cannot place.
+    """
+
+
+class StateDictTypeError(DSDMergeError, TypeError):
+    """An argument that is not a state dict, or a key of a type a state dict cannot hold."""
+
+
+class MergeError(DSDMergeError, ValueError):
+    """A difference between checkpoint and reference that must not be merged.
+
+    Raised when the policy says ``"raise"`` for a difference that is not
+    allow-listed (``policy="strict"``), for tensor shape mismatches under every
+    built-in policy, and for optimizer group layouts that
+    ``torch.optim.Optimizer.load_state_dict`` would reject.
+
+    Attributes:
+        diff: The full :class:`~dsdmerge.KeyDiff` of the two state dicts.
+        problems: One line per rejected difference, in the order reported.
+    """
+
+    problems: tuple[str, ...]
+
+    def __init__(
+        self, message: str, *, diff: KeyDiff | None = None, problems: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message, diff=diff)
+        self.problems = problems
+
+
+class DSDMergeWarning(UserWarning):
+    """A difference the policy merged but asked to be told about (``policy="warn"``)."""

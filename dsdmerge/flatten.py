@@ -1,0 +1,527 @@
+"""Lossless conversion between nested and flat state dicts.
+
+:func:`flatten` spells optimizer state dicts exactly as torch's
+``_flatten_optim_state_dict`` does (``state.<fqn>.<name>`` and one
+``param_groups.<fqn>.<hyperparameter>`` per parameter) and every other nested
+mapping as dotted paths. :func:`unflatten` goes back, exactly when given the
+nested state dict to take the structure from (``like=``), and by the DSD rules
+otherwise.
+
+Both walk their input with an explicit stack, so nesting depth is bounded by
+memory, not by Python's recursion limit, and both refuse cycles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dsdmerge._values import MISSING, freeze, key_str, same_value
+from dsdmerge.errors import LayoutError, StateDictTypeError
+from dsdmerge.layout import (
+    PARAM_GROUPS,
+    PARAMS,
+    PG_PREFIX,
+    STATE,
+    STATE_PREFIX,
+    Layout,
+    check_not_mixed,
+    classify,
+    is_optimizer_state_dict,
+    require_mapping,
+)
+
+__all__ = ["flatten", "unflatten"]
+
+
+class _Unique(dict[str, Any]):
+    """A dict that refuses to overwrite: used to name a collision once one is known."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self:
+            hint = (
+                " (a parameter listed in two param_groups?)"
+                if PG_PREFIX in key
+                else " (a key containing a dot, or an int and a str key with the same digits?)"
+            )
+            raise LayoutError(
+                f"two entries flatten to the same key {key!r}{hint}. Flattening would "
+                "silently overwrite one of them; rename the keys or keep this state dict nested."
+            )
+        super().__setitem__(key, value)
+
+
+def flatten(sd: Mapping[Any, Any], /) -> dict[str, Any]:
+    """Flatten a state dict to ``{flat_key: leaf}``.
+
+    Optimizer state dicts (a ``"state"`` mapping and a ``"param_groups"`` list)
+    flatten exactly as torch's ``_flatten_optim_state_dict`` does: one
+    ``state.<id>.<name>`` key per state value (nested state flattens further
+    with dots) and one ``param_groups.<id>.<hyperparameter>`` key per
+    parameter and hyperparameter; int ids become decimal strings. Other
+    mappings flatten to dotted paths. A flat state dict comes back as a new dict
+    with the same items. Does not modify its input; leaves are shared, never
+    copied.
+
+    Args:
+        sd: A nested or flat state dict.
+
+    Returns:
+        A new flat dict.
+
+    Raises:
+        StateDictTypeError: ``sd`` is not a mapping, or holds a key that is not
+            ``str`` or ``int``.
+        LayoutError: Two paths flatten to the same key, a structure is cyclic, or
+            an optimizer state dict is malformed.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> osd = {"state": {0: {"step": 3}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+        >>> dm.flatten(osd)
+        {'state.0.step': 3, 'param_groups.0.lr': 0.1, 'param_groups.1.lr': 0.1}
+        >>> dm.flatten({"model": {"w": 1}, "epoch": 2})
+        {'model.w': 1, 'epoch': 2}
+    """
+    require_mapping(sd, "the state dict")
+    if classify(sd) is Layout.FLAT and set(map(type, sd)) <= {str}:
+        return dict(sd)
+    out: dict[str, Any] = {}
+    written = _flatten_into(out, sd, "")
+    if written != len(out):  # something was overwritten: run again, refusing overwrites
+        _flatten_into(_Unique(), sd, "")
+    return out
+
+
+def _flatten_into(out: dict[str, Any], root: Mapping[Any, Any], prefix: str) -> int:
+    """Write the leaves of ``root`` into ``out`` under ``prefix``; return how many were written."""
+    if is_optimizer_state_dict(root):
+        return _flatten_optimizer(out, root, prefix, {id(root)})
+    return _flatten_tree(out, root, prefix, {id(root)}, optimizers=True)
+
+
+def _flatten_tree(
+    out: dict[str, Any],
+    root: Mapping[Any, Any],
+    prefix: str,
+    on_path: set[int],
+    *,
+    optimizers: bool,
+) -> int:
+    """Flatten a generic mapping to dotted paths (iteratively, refusing cycles)."""
+    written = 0
+    stack: list[tuple[str, Any, Mapping[Any, Any]]] = [(prefix, iter(root.items()), root)]
+    while stack:
+        pfx, items, node = stack[-1]
+        for k, v in items:
+            key = pfx + (k if type(k) is str else key_str(k, pfx[:-1]))
+            if isinstance(v, Mapping):
+                if id(v) in on_path:
+                    raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
+                if optimizers and is_optimizer_state_dict(v):
+                    on_path.add(id(v))
+                    written += _flatten_optimizer(out, v, key + ".", on_path)
+                    on_path.discard(id(v))
+                    continue
+                on_path.add(id(v))
+                stack.append((key + ".", iter(v.items()), v))
+                break
+            out[key] = v
+            written += 1
+        else:
+            stack.pop()
+            if node is not root:
+                on_path.discard(id(node))
+    return written
+
+
+def _flatten_optimizer(
+    out: dict[str, Any], osd: Mapping[Any, Any], prefix: str, on_path: set[int]
+) -> int:
+    """Flatten one optimizer state dict the way torch's ``_flatten_optim_state_dict`` does."""
+    check_not_mixed(osd, prefix[:-1])
+    written = 0
+    state_prefix = prefix + STATE_PREFIX
+    for pid, entry in osd[STATE].items():
+        pkey = state_prefix + key_str(pid, prefix + STATE) + "."
+        if not isinstance(entry, Mapping):
+            raise LayoutError(
+                f"{pkey[:-1]!r}: optimizer state of a parameter must be a mapping of state "
+                f"names to values, got {type(entry).__name__}"
+            )
+        for name, v in entry.items():
+            key = pkey + (name if type(name) is str else key_str(name, pkey[:-1]))
+            if isinstance(v, Mapping):  # nested state (Shampoo-like): dotted paths, as torch
+                if id(v) in on_path:
+                    raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
+                on_path.add(id(v))
+                written += _flatten_tree(out, v, key + ".", on_path, optimizers=False)
+                on_path.discard(id(v))
+            else:
+                out[key] = v
+                written += 1
+    group_prefix = prefix + PG_PREFIX
+    for index, group in enumerate(osd[PARAM_GROUPS]):
+        hyper = _group_items(group, f"{prefix}{PARAM_GROUPS}[{index}]")
+        for pid in group[PARAMS]:
+            base = group_prefix + key_str(pid, f"{prefix}{PARAM_GROUPS}[{index}]") + "."
+            for name, v in hyper:
+                out[base + name] = v
+        written += len(group[PARAMS]) * len(hyper)
+    return written
+
+
+def _group_items(group: object, where: str) -> list[tuple[str, Any]]:
+    """Validate one param group and return its ``(hyperparameter, value)`` pairs."""
+    if not isinstance(group, Mapping) or not isinstance(group.get(PARAMS), (list, tuple)):
+        raise LayoutError(
+            f"{where} must be a mapping with a 'params' list, got "
+            f"{type(group).__name__ if not isinstance(group, Mapping) else 'a mapping without one'}"
+        )
+    items = []
+    for name, v in group.items():
+        if name == PARAMS:
+            continue
+        if type(name) is not str:
+            raise StateDictTypeError(f"{where}: hyperparameter name {name!r} is not a str")
+        if isinstance(v, Mapping):
+            raise LayoutError(
+                f"{where}[{name!r}] is a mapping; torch's flattened format holds one "
+                "value per hyperparameter and cannot spell it."
+            )
+        items.append((name, v))
+    return items
+
+
+# --------------------------------------------------------------------------------------
+# unflatten
+
+
+def unflatten(
+    flat: Mapping[str, Any], /, *, like: Mapping[Any, Any] | None = None
+) -> dict[Any, Any]:
+    """Rebuild a nested state dict from a flat one.
+
+    With ``like`` (a nested state dict, typically the reference), the structure
+    comes from it exactly: int param ids, group membership, fqns containing
+    dots, nested state and key order. Keys of ``like`` absent from ``flat``
+    are left out (a parameter whose state is absent gets none); keys of
+    ``flat`` that ``like`` has no place for are placed under the parameter or
+    mapping they extend, or rejected when there is none.
+
+    Without ``like``, a DSD flattened optimizer dict (only ``state.*`` and
+    ``param_groups.*`` keys) becomes a fqn-keyed nested optimizer dict: the fqns
+    come from the ``param_groups.*`` keys, and parameters whose hyperparameters
+    are all equal form one group, in order of first appearance. Any other flat
+    dict is split on dots.
+
+    Does not modify its inputs; leaves are shared, never copied.
+
+    Args:
+        flat: A flat state dict (every value a leaf, every key a str).
+        like: Optional nested state dict to take the structure from.
+
+    Returns:
+        A new nested dict.
+
+    Raises:
+        LayoutError: ``flat`` is not flat, a value would have to be both a leaf
+            and a mapping, members of one group disagree on a hyperparameter, or a
+            key names a parameter ``like`` does not have.
+        StateDictTypeError: An argument is not a mapping, or ``flat`` has a key
+            that is not a str.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> flat = {"state.a.w.step": 3, "param_groups.a.w.lr": 0.1, "param_groups.b.lr": 0.1}
+        >>> dm.unflatten(flat)
+        {'state': {'a.w': {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': ['a.w', 'b']}]}
+        >>> osd = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+        >>> dm.unflatten({"state.0.step": 3, "param_groups.0.lr": 0.2}, like=osd)
+        {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.2, 'params': [0]}]}
+    """
+    require_flat(flat, "flat")
+    if like is None:
+        return _unflatten_free(flat)
+    require_mapping(like, "like")
+    if classify(like) is Layout.FLAT:
+        return dict(flat)
+    return _Unflattener(flat).run(like)
+
+
+def require_flat(flat: object, what: str) -> Mapping[str, Any]:
+    """Raise unless ``flat`` is a flat mapping with str keys."""
+    mapping = require_mapping(flat, what)
+    if classify(mapping) is not Layout.FLAT:
+        nested = next(k for k, v in mapping.items() if isinstance(v, Mapping))
+        raise LayoutError(
+            f"{what} must be a flat state dict, but {nested!r} holds a mapping; "
+            "flatten it first with dsdmerge.flatten()."
+        )
+    if set(map(type, mapping)) - {str}:
+        bad = next(k for k in mapping if type(k) is not str)
+        raise StateDictTypeError(
+            f"{what}: flat state dict keys must be str, got {bad!r} ({type(bad).__name__})"
+        )
+    return mapping
+
+
+def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
+    has_groups = False
+    for key in flat:
+        if key.startswith(PG_PREFIX):
+            has_groups = True
+        elif not key.startswith(STATE_PREFIX):
+            return False
+    return has_groups
+
+
+def _insert(root: dict[Any, Any], parts: list[str], value: Any, key: str) -> None:
+    """Put ``value`` at the dotted path ``parts`` under ``root``, creating dicts."""
+    node = root
+    for part in parts[:-1]:
+        child = node.get(part, MISSING)
+        if child is MISSING:
+            child = node[part] = {}
+        elif type(child) is not dict:
+            raise LayoutError(
+                f"cannot unflatten {key!r}: a prefix of it, ending in {part!r}, is also a key "
+                "with a value of its own. Pass like= to say which structure is meant."
+            )
+        node = child
+    last = parts[-1]
+    if last in node:
+        raise LayoutError(
+            f"cannot unflatten {key!r}: it is both a value and a prefix of other keys. "
+            "Pass like= to say which structure is meant."
+        )
+    node[last] = value
+
+
+def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
+    if not _is_flat_optimizer(flat):
+        out: dict[Any, Any] = {}
+        for key, v in flat.items():
+            _insert(out, key.split("."), v, key)
+        return out
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, v in flat.items():
+        if key.startswith(PG_PREFIX):
+            fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
+            if not dot or not fqn or not name:
+                raise LayoutError(
+                    f"{key!r} is not of the form 'param_groups.<fqn>.<hyperparameter>'"
+                )
+            hyper.setdefault(fqn, {})[name] = v
+    state: dict[str, Any] = {}
+    for key, v in flat.items():
+        if key.startswith(STATE_PREFIX):
+            found = split_param_key(key[len(STATE_PREFIX) :], hyper)
+            if found is None:
+                raise LayoutError(
+                    f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
+                    "cannot be told from its state name. Pass like= (the nested reference)."
+                )
+            fqn, rest = found
+            _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
+    groups: dict[Any, dict[str, Any]] = {}
+    for fqn, values in hyper.items():
+        signature = tuple((name, freeze(v)) for name, v in values.items())
+        group = groups.get(signature)
+        if group is None:
+            group = groups[signature] = {**values, PARAMS: []}
+        group[PARAMS].append(fqn)
+    return {STATE: state, PARAM_GROUPS: list(groups.values())}
+
+
+def split_param_key(rest: str, known: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn."""
+    end = len(rest)
+    while True:
+        end = rest.rfind(".", 0, end)
+        if end <= 0:
+            return None
+        if rest[:end] in known:
+            return rest[:end], rest[end + 1 :]
+
+
+class _Unflattener:
+    """Rebuild a nested dict with the structure of ``like``; see :func:`unflatten`."""
+
+    def __init__(self, flat: Mapping[str, Any]) -> None:
+        self.flat = flat
+        self.hits = 0
+        # prefix -> (pid spelling -> pid, rebuilt state, pid -> rebuilt group)
+        self.optimizers: dict[
+            str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]]]
+        ] = {}
+        self.trees: dict[str, dict[Any, Any]] = {}
+
+    def run(self, like: Mapping[Any, Any]) -> dict[Any, Any]:
+        if is_optimizer_state_dict(like):
+            out = self._optimizer(like, "", {id(like)})
+        else:
+            out = self._tree(like, "", {id(like)})
+        if self.hits != len(self.flat):
+            self._place_leftovers(like)
+        return out
+
+    def _tree(
+        self, root: Mapping[Any, Any], prefix: str, on_path: set[int], *, in_state: bool = False
+    ) -> dict[Any, Any]:
+        """Rebuild a generic mapping; ``in_state`` for the nested state of one parameter."""
+        flat = self.flat
+        out: dict[Any, Any] = {}
+        if not in_state:
+            self.trees[prefix] = out
+        stack: list[tuple[str, Any, Mapping[Any, Any], dict[Any, Any]]] = [
+            (prefix, iter(root.items()), root, out)
+        ]
+        while stack:
+            pfx, items, node, dest = stack[-1]
+            for k, v in items:
+                key = pfx + (k if type(k) is str else key_str(k, pfx[:-1]))
+                if isinstance(v, Mapping):
+                    if id(v) in on_path:
+                        raise LayoutError(f"cycle: the mapping at {key!r} in like contains itself")
+                    on_path.add(id(v))
+                    if not in_state and is_optimizer_state_dict(v):
+                        dest[k] = self._optimizer(v, key + ".", on_path)
+                        on_path.discard(id(v))
+                        continue
+                    child: dict[Any, Any] = {}
+                    dest[k] = child
+                    if not in_state:
+                        self.trees[key + "."] = child
+                    stack.append((key + ".", iter(v.items()), v, child))
+                    break
+                value = flat.get(key, MISSING)
+                if value is not MISSING:
+                    dest[k] = value
+                    self.hits += 1
+            else:
+                stack.pop()
+                if node is not root:
+                    on_path.discard(id(node))
+        return out
+
+    def _optimizer(self, like: Mapping[Any, Any], prefix: str, on_path: set[int]) -> dict[Any, Any]:
+        check_not_mixed(like, prefix[:-1])
+        flat = self.flat
+        pids: dict[str, Any] = {}
+        state: dict[Any, Any] = {}
+        state_prefix = prefix + STATE_PREFIX
+        for pid, entry in like[STATE].items():
+            spelled = key_str(pid, prefix + STATE)
+            pids[spelled] = pid
+            if not isinstance(entry, Mapping):
+                raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
+            if not entry:
+                state[pid] = {}
+                continue
+            fields = self._tree(entry, state_prefix + spelled + ".", on_path, in_state=True)
+            if fields:
+                state[pid] = fields
+        groups: list[dict[str, Any]] = []
+        member_of: dict[Any, dict[str, Any]] = {}
+        group_prefix = prefix + PG_PREFIX
+        for index, like_group in enumerate(like[PARAM_GROUPS]):
+            where = f"{prefix}{PARAM_GROUPS}[{index}]"
+            _group_items(like_group, where)
+            params = like_group[PARAMS]
+            spelled_params = [key_str(pid, where) for pid in params]
+            group: dict[str, Any] = {}
+            for name, like_value in like_group.items():
+                if name == PARAMS:
+                    group[PARAMS] = list(params)
+                    continue
+                if not params:  # torch's format has no key for an empty group: keep like's
+                    group[name] = like_value
+                    continue
+                value = MISSING
+                for spelled in spelled_params:
+                    v = flat.get(f"{group_prefix}{spelled}.{name}", MISSING)
+                    if v is MISSING:
+                        continue
+                    self.hits += 1
+                    if value is MISSING:
+                        value = v
+                    elif not same_value(v, value):
+                        raise LayoutError(
+                            f"cannot unflatten: members of {where} disagree on {name!r} "
+                            f"({group_prefix}{spelled}.{name} is {v!r}, an earlier member has "
+                            f"{value!r}); a nested param group holds one value per hyperparameter."
+                        )
+                if value is not MISSING:
+                    group[name] = value
+            groups.append(group)
+            for pid, spelled in zip(params, spelled_params, strict=True):
+                pids[spelled] = pid
+                member_of[pid] = group
+        self.optimizers[prefix] = (pids, state, member_of)
+        return {STATE: state, PARAM_GROUPS: groups}
+
+    def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
+        placed = set(flatten(like))
+        unplaced: list[str] = []
+        for key, v in self.flat.items():
+            if key in placed:
+                continue
+            if not self._place(key, v):
+                unplaced.append(key)
+        if unplaced:
+            unplaced.sort()
+            shown = ", ".join(repr(k) for k in unplaced[:10])
+            more = f" and {len(unplaced) - 10} more" if len(unplaced) > 10 else ""
+            raise LayoutError(
+                f"like has no place for {len(unplaced)} flat key(s): {shown}{more}. They name "
+                "parameters that like's optimizer does not have; pass a like that has them "
+                "(the reference state dict) or drop them first."
+            )
+
+    def _place(self, key: str, value: Any) -> bool:
+        """Place a key ``like`` does not spell under the parameter or mapping it extends."""
+        prefix = _longest_prefix(key, self.optimizers)
+        if prefix is not None:
+            return self._place_in_optimizer(prefix, key, value)
+        prefix = _longest_prefix(key, self.trees)
+        if prefix is None:
+            return False
+        _insert(self.trees[prefix], key[len(prefix) :].split("."), value, key)
+        return True
+
+    def _place_in_optimizer(self, prefix: str, key: str, value: Any) -> bool:
+        pids, state, member_of = self.optimizers[prefix]
+        rest = key[len(prefix) :]
+        if rest.startswith(STATE_PREFIX):
+            found = split_param_key(rest[len(STATE_PREFIX) :], pids)
+            if found is None:
+                return False
+            pid = pids[found[0]]
+            _insert(state.setdefault(pid, {}), found[1].split("."), value, key)
+            return True
+        if rest.startswith(PG_PREFIX):
+            spelled, _, name = rest[len(PG_PREFIX) :].rpartition(".")
+            pid = pids.get(spelled, MISSING)
+            group = None if pid is MISSING else member_of.get(pid)
+            if group is None or not name:
+                return False
+            if name in group and not same_value(group[name], value):
+                raise LayoutError(
+                    f"cannot unflatten: {key!r} is {value!r} but its group holds {group[name]!r}"
+                )
+            group[name] = value
+            return True
+        return False
+
+
+def _longest_prefix(key: str, prefixes: Mapping[str, Any]) -> str | None:
+    """The longest of ``prefixes`` (each ``""`` or ending in a dot) that ``key`` starts with."""
+    end = len(key)
+    while end > 0:
+        end = key.rfind(".", 0, end)
+        if end < 0:
+            break
+        if key[: end + 1] in prefixes:
+            return key[: end + 1]
+    return "" if "" in prefixes else None

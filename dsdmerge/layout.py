@@ -1,0 +1,142 @@
+"""Telling flat state dicts from nested ones.
+
+A state dict is *flat* when every value is a leaf (a tensor, a Python scalar, a
+tuple, ...): model state dicts, safetensors dicts and the optimizer dicts that
+``get_optimizer_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))``
+returns. It is *nested* when it holds mappings: ``optimizer.state_dict()``, the
+fqn-keyed dicts of ``get_optimizer_state_dict``, and whole-checkpoint dicts such
+as ``{"model": {...}, "optim": {...}}``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from dsdmerge.errors import LayoutError, StateDictTypeError
+
+__all__ = ["Layout", "classify", "is_optimizer_state_dict"]
+
+STATE = "state"
+PARAM_GROUPS = "param_groups"
+PARAMS = "params"
+STATE_PREFIX = "state."
+PG_PREFIX = "param_groups."
+
+
+class Layout(str, enum.Enum):
+    """The two layouts a state dict can have.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> dm.Layout.FLAT == "flat", str(dm.Layout.NESTED)
+        (True, 'nested')
+    """
+
+    NESTED = "nested"
+    FLAT = "flat"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return self.value.__format__(format_spec)
+
+
+def require_mapping(obj: object, what: str) -> Mapping[Any, Any]:
+    """Return ``obj`` if it is a mapping, else raise :class:`StateDictTypeError`."""
+    if not isinstance(obj, Mapping):
+        raise StateDictTypeError(
+            f"{what} must be a mapping (a state dict), got {type(obj).__name__}. "
+            "Pass the dict that torch's state_dict()/get_optimizer_state_dict() returned."
+        )
+    return obj
+
+
+def is_optimizer_state_dict(obj: object, /) -> bool:
+    """Tell whether ``obj`` is shaped like a nested optimizer state dict.
+
+    That is a mapping with a ``"state"`` mapping and a ``"param_groups"`` list, as
+    ``torch.optim.Optimizer.state_dict()`` and ``get_optimizer_state_dict`` return.
+    Does not modify its input.
+
+    Args:
+        obj: Any object.
+
+    Returns:
+        ``True`` for an optimizer-shaped mapping, else ``False``.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> dm.is_optimizer_state_dict({"state": {}, "param_groups": []})
+        True
+        >>> dm.is_optimizer_state_dict({"state.w.step": 1})
+        False
+    """
+    if not isinstance(obj, Mapping):
+        return False
+    state = obj.get(STATE)
+    groups = obj.get(PARAM_GROUPS)
+    return isinstance(state, Mapping) and isinstance(groups, (list, tuple))
+
+
+def classify(sd: Mapping[Any, Any], /) -> Layout:
+    """Classify a state dict as :attr:`Layout.FLAT` or :attr:`Layout.NESTED`.
+
+    A mapping whose values are all leaves is flat (an empty mapping too). A
+    mapping holding a mapping is nested. Lists and tuples are leaves, except the
+    ``param_groups`` list of an optimizer state dict, which always sits next to
+    a ``"state"`` mapping. Does not modify
+    its input.
+
+    Args:
+        sd: The state dict.
+
+    Returns:
+        Its layout.
+
+    Raises:
+        StateDictTypeError: ``sd`` is not a mapping.
+        LayoutError: ``sd`` mixes nested optimizer sections (``"state"``,
+            ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``).
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> dm.classify({"state.w.step": 1, "param_groups.w.lr": 0.1})
+        <Layout.FLAT: 'flat'>
+        >>> dm.classify({"state": {0: {"step": 1}}, "param_groups": [{"lr": 0.1, "params": [0]}]})
+        <Layout.NESTED: 'nested'>
+    """
+    require_mapping(sd, "the state dict")
+    if not sd:
+        return Layout.FLAT
+    # One C-level pass over the value types; the per-type checks run once per distinct type.
+    if not any(issubclass(tp, Mapping) for tp in set(map(type, sd.values()))):
+        return Layout.FLAT
+    check_not_mixed(sd, "")
+    return Layout.NESTED
+
+
+def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
+    """Raise :class:`LayoutError` if ``sd`` holds nested optimizer sections and flattened keys."""
+    sections = [
+        k
+        for k, tp in ((STATE, Mapping), (PARAM_GROUPS, (list, tuple)))
+        if isinstance(sd.get(k), tp)
+    ]
+    if not sections:
+        return
+    flat_keys = sorted(
+        k for k in sd if type(k) is str and (k.startswith(STATE_PREFIX) or k.startswith(PG_PREFIX))
+    )
+    if flat_keys:
+        where = f" at {path!r}" if path else ""
+        shown = ", ".join(repr(k) for k in flat_keys[:5])
+        more = f" and {len(flat_keys) - 5} more" if len(flat_keys) > 5 else ""
+        raise LayoutError(
+            f"mixed optimizer layouts{where}: nested section {sections[0]!r} next to "
+            f"flattened keys {shown}{more}. A state dict is either nested "
+            "(get_optimizer_state_dict) or flattened (flatten_optimizer_state_dict=True); "
+            "convert one side with dsdmerge.flatten() or dsdmerge.unflatten()."
+        )

@@ -1,0 +1,209 @@
+"""Merge policies: what to do about each kind of difference.
+
+A :class:`Policy` is a frozen value with one action per situation. The three
+built-in policies are :data:`DEFAULT`, :data:`WARN` and :data:`STRICT`; build a
+custom one with :class:`Policy` directly or with :meth:`Policy.replace`.
+
+========================  ===========  ============  ============
+situation                 ``default``  ``warn``      ``strict``
+========================  ===========  ============  ============
+missing key               backfill     backfill +    error
+                                       warning
+unexpected key            kept         kept +        error
+                                       warning
+tensor shape mismatch     error        error         error
+tensor dtype mismatch     kept         kept +        error
+                                       warning
+group hyperparameter      -            warning       error
+conflict
+========================  ===========  ============  ============
+
+Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
+keys) are backfilled / kept without a word under every policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Callable, Iterable
+from typing import Literal, get_args
+
+from dsdmerge.errors import DSDMergeError
+
+__all__ = ["DEFAULT", "STRICT", "WARN", "Action", "InvalidPolicyError", "Policy", "resolve_policy"]
+
+Action = Literal["ignore", "warn", "raise"]
+"""What a policy does about a difference: ``"ignore"`` it, ``"warn"`` (a
+:class:`~dsdmerge.DSDMergeWarning`) or ``"raise"`` (a :class:`~dsdmerge.MergeError`)."""
+
+_ACTIONS = get_args(Action)
+
+
+class InvalidPolicyError(DSDMergeError, ValueError):
+    """A policy name, action or allow-list that is not valid."""
+
+
+def _globs(value: str | Iterable[str], name: str) -> tuple[str, ...]:
+    items: Iterable[object] = (value,) if isinstance(value, str) else value
+    try:
+        globs = tuple(items)
+    except TypeError:
+        raise InvalidPolicyError(
+            f"{name} must be a glob or an iterable of globs, got {type(value).__name__}"
+        ) from None
+    for glob in globs:
+        if not isinstance(glob, str):
+            raise InvalidPolicyError(f"{name} holds {glob!r}, which is not a str glob")
+    return globs  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a merge does about each kind of difference.
+
+    Every action is ``"ignore"``, ``"warn"`` or ``"raise"``. A missing key that
+    is not raised is backfilled from the reference; an unexpected key that is
+    not raised is kept (or dropped, with ``drop_unexpected``); a dtype mismatch
+    that is not raised keeps the checkpoint's tensor (torch casts it on load);
+    a shape mismatch that is not raised takes the reference's tensor, since
+    torch would reject the checkpoint's.
+
+    Attributes:
+        missing: For keys in the reference but not in the checkpoint.
+        unexpected: For keys in the checkpoint but not in the reference.
+        shape: For tensors whose shapes differ.
+        dtype: For tensors whose dtypes differ.
+        conflict: For checkpoint members of one param group that disagree on a
+            hyperparameter (torch silently uses the first member's value).
+        allow_missing: fnmatch globs over flat keys; matching missing keys are
+            backfilled without a word.
+        allow_unexpected: fnmatch globs over flat keys; matching unexpected keys
+            are kept without a word.
+        drop_unexpected: Leave unexpected keys out of the result instead of
+            keeping them (for a strict ``load_state_dict``).
+        name: A label for messages.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> p = dm.STRICT.replace(allow_missing=["*.indexer.*"])
+        >>> p.missing, p.allow_missing
+        ('raise', ('*.indexer.*',))
+    """
+
+    missing: Action = "ignore"
+    unexpected: Action = "ignore"
+    shape: Action = "raise"
+    dtype: Action = "ignore"
+    conflict: Action = "ignore"
+    allow_missing: tuple[str, ...] = ()
+    allow_unexpected: tuple[str, ...] = ()
+    drop_unexpected: bool = False
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("missing", "unexpected", "shape", "dtype", "conflict"):
+            action = getattr(self, field)
+            if action not in _ACTIONS:
+                raise InvalidPolicyError(
+                    f"Policy.{field} must be one of {', '.join(map(repr, _ACTIONS))}, "
+                    f"got {action!r}"
+                )
+        for field in ("allow_missing", "allow_unexpected"):
+            object.__setattr__(self, field, _globs(getattr(self, field), field))
+        if not isinstance(self.drop_unexpected, bool):
+            raise InvalidPolicyError("Policy.drop_unexpected must be a bool")
+
+    def replace(self, **changes: object) -> Policy:
+        """A copy of this policy with some fields changed (``name`` becomes ``"custom"``).
+
+        Example:
+            >>> import dsdmerge as dm
+            >>> dm.DEFAULT.replace(unexpected="warn").unexpected
+            'warn'
+        """
+        changes.setdefault("name", "custom")
+        try:
+            return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        except TypeError as err:
+            raise InvalidPolicyError(f"Policy has no such field: {err}") from None
+
+    def allows_missing(self, key: str) -> bool:
+        """Whether ``key`` matches one of :attr:`allow_missing`."""
+        return matcher(self.allow_missing)(key)
+
+    def allows_unexpected(self, key: str) -> bool:
+        """Whether ``key`` matches one of :attr:`allow_unexpected`."""
+        return matcher(self.allow_unexpected)(key)
+
+
+def matcher(globs: tuple[str, ...]) -> Callable[[str], bool]:
+    """One compiled regex for a tuple of fnmatch globs (case-sensitive, ``*`` crosses dots)."""
+    if not globs:
+        return _never
+    pattern = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs))
+    return lambda key: pattern.match(key) is not None
+
+
+def _never(key: str) -> bool:
+    return False
+
+
+DEFAULT = Policy(name="default")
+"""Backfill missing keys, keep unexpected ones, keep dtype mismatches, raise on shape mismatches."""
+
+WARN = Policy(missing="warn", unexpected="warn", dtype="warn", conflict="warn", name="warn")
+"""Like :data:`DEFAULT`, plus one summarised :class:`~dsdmerge.DSDMergeWarning` per kind of
+difference."""
+
+STRICT = Policy(missing="raise", unexpected="raise", dtype="raise", conflict="raise", name="strict")
+"""Raise a :class:`~dsdmerge.MergeError` on any difference that is not allow-listed."""
+
+_NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
+
+
+def resolve_policy(
+    policy: str | Policy,
+    /,
+    *,
+    allow_missing: str | Iterable[str] = (),
+    allow_unexpected: str | Iterable[str] = (),
+) -> Policy:
+    """Turn a policy name (or a :class:`Policy`) plus extra allow-lists into a :class:`Policy`.
+
+    Does not modify its inputs.
+
+    Args:
+        policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`Policy`.
+        allow_missing: Globs added to the policy's ``allow_missing``.
+        allow_unexpected: Globs added to the policy's ``allow_unexpected``.
+
+    Returns:
+        The policy to apply.
+
+    Raises:
+        InvalidPolicyError: Unknown name, or an allow-list that is not globs.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> dm.resolve_policy("strict", allow_missing="*.indexer.*").allow_missing
+        ('*.indexer.*',)
+    """
+    if isinstance(policy, Policy):
+        base = policy
+    elif isinstance(policy, str) and policy in _NAMED:
+        base = _NAMED[policy]
+    else:
+        raise InvalidPolicyError(
+            f"unknown policy {policy!r}: use 'default', 'warn', 'strict' or a dsdmerge.Policy"
+        )
+    extra_missing = _globs(allow_missing, "allow_missing")
+    extra_unexpected = _globs(allow_unexpected, "allow_unexpected")
+    if not extra_missing and not extra_unexpected:
+        return base
+    return dataclasses.replace(
+        base,
+        allow_missing=base.allow_missing + extra_missing,
+        allow_unexpected=base.allow_unexpected + extra_unexpected,
+    )

@@ -1,0 +1,251 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import Snapshot, same_tree
+from torch import nn
+
+import dsdmerge as dm
+
+torch_flatten = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+_flatten_optim = getattr(torch_flatten, "_flatten_optim_state_dict", None)
+needs_private = pytest.mark.skipif(
+    _flatten_optim is None, reason="this torch has no _flatten_optim_state_dict"
+)
+
+
+def trained(model: nn.Module, optim: torch.optim.Optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.frozen_ish = nn.Linear(4, 4)  # never used: no grads, no state
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def dsd_nested(optim_factory):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = Net()
+    optim = optim_factory(model)
+    trained(model, optim)
+    return get_optimizer_state_dict(model, optim)
+
+
+OPTIMS = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+    "adamw-two-groups": lambda m: torch.optim.AdamW(
+        [
+            {"params": [p for n, p in m.named_parameters() if "weight" in n], "weight_decay": 0.1},
+            {"params": [p for n, p in m.named_parameters() if "bias" in n], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+    ),
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    "sgd-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+}
+
+
+@needs_private
+@pytest.mark.parametrize("name", sorted(OPTIMS))
+def test_flatten_matches_torch_key_for_key(name):
+    nested = dsd_nested(OPTIMS[name])
+    ours = dm.flatten(nested)
+    theirs = _flatten_optim(copy.deepcopy(nested))  # torch's pops "params": give it a copy
+    assert list(ours) == list(theirs)
+    for key, value in ours.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, theirs[key])
+        else:
+            assert value == theirs[key]
+
+
+@needs_private
+def test_flatten_of_shampoo_like_nested_state_matches_torch():
+    nested = {
+        "state": {
+            "w": {
+                "step": torch.tensor(2.0),
+                "factor": {"left": torch.ones(2), "right": torch.ones(3)},
+            }
+        },
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+    }
+    assert list(dm.flatten(nested)) == list(_flatten_optim(copy.deepcopy(nested)))
+    assert "state.w.factor.left" in dm.flatten(nested)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMS))
+def test_flatten_does_not_mutate_and_shares_leaves(name):
+    nested = dsd_nested(OPTIMS[name])
+    snap = Snapshot(nested)
+    flat = dm.flatten(nested)
+    assert snap.unchanged()
+    for fqn, entry in nested["state"].items():
+        for state_name, value in entry.items():
+            assert flat[f"state.{fqn}.{state_name}"] is value
+    assert all("params" in g for g in nested["param_groups"])
+
+
+def test_int_ids_flatten_to_decimal_strings():
+    osd = {
+        "state": {0: {"step": 1}, 12: {"step": 2}},
+        "param_groups": [{"lr": 0.1, "params": [0, 12]}],
+    }
+    assert dm.flatten(osd) == {
+        "state.0.step": 1,
+        "state.12.step": 2,
+        "param_groups.0.lr": 0.1,
+        "param_groups.12.lr": 0.1,
+    }
+
+
+def test_other_nested_mappings_flatten_to_dotted_paths():
+    sd = {"model": {"layers": {"0": {"w": 1}}}, "epoch": 3}
+    assert dm.flatten(sd) == {"model.layers.0.w": 1, "epoch": 3}
+
+
+def test_optimizer_inside_a_checkpoint_flattens_like_torch_under_its_prefix():
+    sd = {"optim": {"state": {"w": {"step": 1}}, "param_groups": [{"lr": 0.5, "params": ["w"]}]}}
+    assert dm.flatten(sd) == {"optim.state.w.step": 1, "optim.param_groups.w.lr": 0.5}
+
+
+def test_flatten_of_flat_dict_is_a_new_equal_dict():
+    flat = {"a": torch.zeros(1), "b": 2}
+    out = dm.flatten(flat)
+    assert out == flat or out.keys() == flat.keys()
+    assert out is not flat
+    assert all(out[k] is flat[k] for k in flat)
+
+
+@pytest.mark.parametrize(
+    "colliding",
+    [
+        {"a.b": {"c": 1}, "a": {"b.c": 2}},
+        {"a": {1: 1, "1": 2}},
+        {"state": {}, "param_groups": [{"lr": 1, "params": ["w"]}, {"lr": 2, "params": ["w"]}]},
+    ],
+)
+def test_collisions_raise_layout_error_naming_the_key(colliding):
+    with pytest.raises(dm.LayoutError, match="same key"):
+        dm.flatten(colliding)
+
+
+def test_cycles_raise_layout_error():
+    cyclic: dict = {"a": {}}
+    cyclic["a"]["b"] = cyclic
+    with pytest.raises(dm.LayoutError, match="cycle"):
+        dm.flatten(cyclic)
+
+
+def test_deep_nesting_does_not_hit_the_recursion_limit():
+    deep: dict = {}
+    node = deep
+    for _ in range(10_000):
+        node["n"] = {}
+        node = node["n"]
+    node["leaf"] = 1
+    flat = dm.flatten(deep)
+    assert list(flat.values()) == [1]
+    rebuilt = dm.unflatten(flat)
+    assert dm.flatten(rebuilt) == flat
+
+
+@pytest.mark.parametrize("key", [None, 1.5, b"x", (1, 2), True])
+def test_bad_key_types_raise_state_dict_type_error(key):
+    with pytest.raises(dm.StateDictTypeError, match="keys must be str"):
+        dm.flatten({"m": {key: 1}})
+
+
+def test_unflatten_without_like_rebuilds_fqn_keyed_dsd_form():
+    flat = {
+        "state.layers.0.w.step": 3,
+        "state.layers.0.w.exp_avg": "ea",
+        "param_groups.layers.0.w.lr": 0.1,
+        "param_groups.layers.0.w.wd": 0.1,
+        "param_groups.b.lr": 0.1,
+        "param_groups.b.wd": 0.0,
+        "param_groups.c.lr": 0.1,
+        "param_groups.c.wd": 0.1,
+    }
+    assert dm.unflatten(flat) == {
+        "state": {"layers.0.w": {"step": 3, "exp_avg": "ea"}},
+        "param_groups": [
+            {"lr": 0.1, "wd": 0.1, "params": ["layers.0.w", "c"]},
+            {"lr": 0.1, "wd": 0.0, "params": ["b"]},
+        ],
+    }
+
+
+def test_unflatten_without_like_splits_other_dicts_on_dots():
+    assert dm.unflatten({"model.a.w": 1, "step": 2}) == {"model": {"a": {"w": 1}}, "step": 2}
+
+
+def test_unflatten_with_like_restores_int_ids_groups_and_dotted_fqns():
+    like = {
+        "state": {0: {"step": 1, "nested": {0: "x"}}},
+        "param_groups": [{"lr": 0.1, "params": [0]}, {"lr": 0.2, "params": [1]}],
+    }
+    flat = dm.flatten(like)
+    assert dm.unflatten(flat, like=like) == like
+
+
+def test_unflatten_with_like_places_state_for_params_like_has_no_state_for():
+    like = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a.w", "b.w"]}]}
+    flat = {"state.b.w.step": 4, "param_groups.a.w.lr": 0.3, "param_groups.b.w.lr": 0.3}
+    assert dm.unflatten(flat, like=like) == {
+        "state": {"b.w": {"step": 4}},
+        "param_groups": [{"lr": 0.3, "params": ["a.w", "b.w"]}],
+    }
+
+
+def test_unflatten_with_like_rejects_keys_for_unknown_params():
+    like = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}
+    with pytest.raises(dm.LayoutError, match="no place"):
+        dm.unflatten({"param_groups.a.lr": 0.1, "state.zzz.step": 1}, like=like)
+
+
+def test_unflatten_rejects_group_members_that_disagree():
+    like = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a", "b"]}]}
+    with pytest.raises(dm.LayoutError, match="disagree on 'lr'"):
+        dm.unflatten({"param_groups.a.lr": 0.1, "param_groups.b.lr": 0.2}, like=like)
+
+
+def test_unflatten_rejects_nested_input_and_leaf_prefix_conflicts():
+    with pytest.raises(dm.LayoutError, match="flat"):
+        dm.unflatten({"a": {"b": 1}})
+    with pytest.raises(dm.LayoutError, match="prefix"):
+        dm.unflatten({"a": 1, "a.b": 2})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMS))
+def test_round_trip_on_real_dsd_state(name):
+    nested = dsd_nested(OPTIMS[name])
+    snap = Snapshot(nested)
+    back = dm.unflatten(dm.flatten(nested), like=nested)
+    assert same_tree(back, nested)
+    assert snap.unchanged()
+
+
+def test_round_trip_on_int_keyed_optimizer_state_dict():
+    torch.manual_seed(0)
+    model = Net()
+    optim = torch.optim.AdamW(model.parameters())
+    trained(model, optim)
+    osd = optim.state_dict()
+    back = dm.unflatten(dm.flatten(osd), like=osd)
+    assert same_tree(back, osd)
+    fresh = torch.optim.AdamW(Net().parameters())
+    fresh.load_state_dict(back)
