@@ -4,6 +4,10 @@
 views (:func:`read_metadata`) to diff against a model before loading anything,
 and full loads (:func:`load_checkpoint`) that never run pickled code unless told
 the checkpoint is trusted.
+
+:mod:`dsdmerge.integrations.resume` is the one call a trainer makes on resume:
+:func:`resume_optimizer`, :func:`resume_model`, and :func:`load_dcp` for DCP
+directories (policy-checked, scoped partial loads).
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ from dsdmerge.integrations.checkpoints import (
     read_metadata,
 )
 
+# Resuming
+from dsdmerge.integrations.resume import (
+    DCPLoad,
+    Fresh,
+    load_dcp,
+    resume_model,
+    resume_optimizer,
+)
+
 __all__ = [
     # Reading checkpoints
     "CheckpointFormat",
@@ -24,4 +37,10 @@ __all__ = [
     "detect_format",
     "load_checkpoint",
     "read_metadata",
+    # Resuming
+    "DCPLoad",
+    "Fresh",
+    "load_dcp",
+    "resume_model",
+    "resume_optimizer",
 ]

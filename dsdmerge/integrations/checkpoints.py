@@ -334,12 +334,21 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: bool = False) -> 
     fmt = detect_format(path)
     where = str(path)
     if fmt == "dcp":
-        entries = _dcp_entries(where, trusted=trusted)
-    elif fmt == "torch":
+        return read_dcp_metadata(where, trusted=trusted)[0]
+    if fmt == "torch":
         entries = _torch_entries(where, trusted=trusted)
     else:
         entries = _safetensors_entries(where)
     return CheckpointView(entries, path=where, format=fmt)
+
+
+def read_dcp_metadata(where: str, *, trusted: bool) -> tuple[CheckpointView, Any]:
+    """The view of a DCP directory and its (safely unpickled) ``Metadata`` object."""
+    if detect_format(where) != "dcp":
+        raise CheckpointReadError(f"{where}: not a DCP checkpoint directory", path=where)
+    metadata = _read_dcp_metadata(where, trusted=trusted)
+    entries = _dcp_entries(where, metadata, trusted=trusted)
+    return CheckpointView(entries, path=where, format="dcp"), metadata
 
 
 def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: bool = False) -> dict[str, Any]:
@@ -715,10 +724,9 @@ def _is_params_entry(path: tuple[Any, ...]) -> bool:
     )
 
 
-def _dcp_entries(where: str, *, trusted: bool) -> dict[str, Any]:
+def _dcp_entries(where: str, metadata: Any, *, trusted: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _read_dcp_metadata(where, trusted=trusted)
     root: dict[Any, Any] = {}
     for key, path in _dcp_paths(metadata).items():
         md = metadata.state_dict_metadata[key]
@@ -777,13 +785,41 @@ def _load_bytes_entry(where: str, key: str, data: io.BytesIO, *, trusted: bool) 
 
 
 def _dcp_load(where: str, *, trusted: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _read_dcp_metadata(where, trusted=trusted)
+    root: dict[str, Any] = {}
+    for key, path in _dcp_paths(metadata).items():
+        md = metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            value: Any = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            value = md  # replaced by the loaded value, as torch's own empty-dict planner does
+        _set_element(root, path, value)
+    run_dcp_load(where, root, metadata, trusted=trusted, allow_partial_load=False, no_dist=True)
+    return root
+
+
+def run_dcp_load(
+    where: str,
+    state_dict: dict[str, Any],
+    metadata: Any,
+    *,
+    trusted: bool,
+    allow_partial_load: bool,
+    no_dist: bool,
+    process_group: Any = None,
+) -> list[tuple[Any, ...]]:
+    """``dcp.load`` into ``state_dict`` with the already (safely) read ``metadata``.
+
+    Bytes entries load with ``weights_only=not trusted``. Returns the paths of the
+    entries of ``state_dict`` that the checkpoint lacks (skipped under
+    ``allow_partial_load``).
+    """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
-
-    metadata = _read_dcp_metadata(where, trusted=trusted)
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -803,27 +839,29 @@ def _dcp_load(where: str, *, trusted: bool) -> dict[str, Any]:
             else:
                 self.state_dict[fqn] = loaded
 
-    root: dict[str, Any] = {}
-    for key, path in _dcp_paths(metadata).items():
-        md = metadata.state_dict_metadata[key]
-        if isinstance(md, TensorStorageMetadata):
-            value: Any = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            value = md  # replaced by the loaded value, as torch's own empty-dict planner does
-        _set_element(root, path, value)
+    planner = Planner(allow_partial_load=allow_partial_load)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*intent is to load in a single process")
-            load(root, storage_reader=Reader(where), planner=Planner(), no_dist=True)
+            load(
+                state_dict,
+                storage_reader=Reader(where),
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported with the path
         cause = _unwrap(err)
         if isinstance(cause, CheckpointReadError):
             raise cause from None
         raise CheckpointReadError(
-            f"{where}: DCP load failed (missing or corrupt data files?): {_reason(cause)}",
+            f"{where}: DCP load failed (missing or corrupt data files, or a state dict that "
+            f"does not fit the checkpoint?): {_reason(cause)}",
             path=where,
         ) from cause
-    return root
+    present = metadata.state_dict_metadata
+    mappings = getattr(planner, "mappings", None) or {}
+    return [tuple(path) for key, path in mappings.items() if key not in present]
 
 
 def _unwrap(err: BaseException) -> BaseException:
