@@ -374,8 +374,7 @@ def _resume_int_keyed(
             "state dict, or save fqn-keyed state with get_optimizer_state_dict."
         )
     (optim,) = optims
-    if fresh == "reference":
-        get_optimizer_state_dict(model, optim)  # DSD's zero-gradient step: the reference state
+    get_optimizer_state_dict(model, optim)  # DSD's zero-gradient step: the reference state
     reference = optim.state_dict()
     merged = _merge(loaded, reference, pol, (), (), stacklevel=5)
     state_dict = merged.state_dict
