@@ -30,8 +30,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+import dsdmerge as dm
 from dsdmerge.demo import TinyModel, make_optimizer
-from dsdmerge.integrations import load_checkpoint, load_dcp, resume_model, resume_optimizer
+from dsdmerge.integrations import (
+    load_checkpoint,
+    load_dcp,
+    read_metadata,
+    resume_model,
+    resume_optimizer,
+)
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 WORLD = 2
@@ -104,8 +111,16 @@ def phase_resume(out: Path) -> dict[str, Any]:
     except TypeError as err:
         report["torch_alone"] = f"TypeError: {err}"
 
-    # verl style: this rank's own files
+    # a look before loading: the metadata view of this rank's file (DTensors, global shapes)
     model, optim, schedule = build()
+    view = read_metadata(out / f"optim_world_size_{WORLD}_rank_{rank}.pt")
+    assert list(view) == list(saved_optim)
+    look = dm.diff(view, get_optimizer_state_dict(model, optim, options=FLAT))
+    assert {k.split(".")[1] for k in look.missing} == {"indexer"}
+    assert not look.unexpected
+    assert not look.mismatched
+
+    # verl style: this rank's own files
     resume_model(model, load_checkpoint(out / f"model_world_size_{WORLD}_rank_{rank}.pt"))
     diff = resume_optimizer(
         model,
