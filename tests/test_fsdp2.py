@@ -12,7 +12,6 @@ import socket
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -61,7 +60,6 @@ def run_phase(phase: str, out) -> list[dict]:
 
 
 def test_fsdp2_two_ranks_save_per_rank_and_dcp_resume_in_fresh_processes(tmp_path):
-    torch.set_num_threads(1)
     saved = run_phase("save", tmp_path)
     assert saved[0]["lr"] == saved[1]["lr"] < 1e-3
     resumed = run_phase("resume", tmp_path)
