@@ -15,11 +15,13 @@ from dsdmerge.diff import KeyDiff, Mismatch, TensorMeta, diff
 
 # Errors and warnings
 from dsdmerge.errors import (
+    CheckpointReadError,
     DSDMergeError,
     DSDMergeWarning,
     LayoutError,
     MergeError,
     StateDictTypeError,
+    UnsafeCheckpointError,
 )
 
 # Conversion
@@ -72,5 +74,7 @@ __all__ = [
     "MergeError",
     "StateDictTypeError",
     "InvalidPolicyError",
+    "CheckpointReadError",
+    "UnsafeCheckpointError",
     "DSDMergeWarning",
 ]

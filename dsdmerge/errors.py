@@ -8,7 +8,9 @@ working::
     DSDMergeError(Exception)
     ├── LayoutError(DSDMergeError, ValueError)         malformed or ambiguous structure
     ├── StateDictTypeError(DSDMergeError, TypeError)   not a state dict, or a bad key type
-    └── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
+    ├── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
+    └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
+        └── UnsafeCheckpointError                      a pickle that would run code: refused
 
     DSDMergeWarning(UserWarning)                        a difference the policy reports
 """
@@ -21,11 +23,13 @@ if TYPE_CHECKING:
     from dsdmerge.diff import KeyDiff
 
 __all__ = [
+    "CheckpointReadError",
     "DSDMergeError",
     "DSDMergeWarning",
     "LayoutError",
     "MergeError",
     "StateDictTypeError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -85,6 +89,34 @@ class MergeError(DSDMergeError, ValueError):
     ) -> None:
         super().__init__(message, diff=diff)
         self.problems = problems
+
+
+class CheckpointReadError(DSDMergeError, OSError):
+    """A checkpoint that cannot be read: missing, corrupt or truncated, or of an unknown format.
+
+    Raised by :mod:`dsdmerge.integrations.checkpoints`; the message names the
+    path and the problem on one line.
+
+    Attributes:
+        path: The path that could not be read, as given.
+    """
+
+    path: str
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafeCheckpointError(CheckpointReadError):
+    """A pickle that references something outside the allow-list, so loading it would run code.
+
+    Raised *before* anything in the pickle runs: for a torch file that
+    ``torch.load(weights_only=True)`` refuses, a DCP ``.metadata`` holding
+    anything but DCP metadata classes, torch sizes and dtypes, or a DCP bytes
+    entry that is not plain data. Pass ``trusted=True`` only for checkpoints
+    whose origin you trust.
+    """
 
 
 class DSDMergeWarning(UserWarning):

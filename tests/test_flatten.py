@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import Snapshot, same_tree
+from optimizers import ShampooLike
 from torch import nn
 
 import dsdmerge as dm
@@ -55,6 +56,7 @@ OPTIMS = {
     ),
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     "sgd-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "shampoo-like": lambda m: ShampooLike(m.parameters(), lr=0.1),
 }
 
 
@@ -95,7 +97,11 @@ def test_flatten_does_not_mutate_and_shares_leaves(name):
     assert snap.unchanged()
     for fqn, entry in nested["state"].items():
         for state_name, value in entry.items():
-            assert flat[f"state.{fqn}.{state_name}"] is value
+            if isinstance(value, dict):  # nested (Shampoo-like) state: one key per sub-leaf
+                for sub, leaf in value.items():
+                    assert flat[f"state.{fqn}.{state_name}.{sub}"] is leaf
+            else:
+                assert flat[f"state.{fqn}.{state_name}"] is value
     assert all("params" in g for g in nested["param_groups"])
 
 
@@ -249,3 +255,89 @@ def test_round_trip_on_int_keyed_optimizer_state_dict():
     assert same_tree(back, osd)
     fresh = torch.optim.AdamW(Net().parameters())
     fresh.load_state_dict(back)
+
+
+def two_optimizers_dsd(flatten: bool):
+    """Real DSD state of two optimizers on one model (Muon-style split), one param frozen."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = Net()
+    model.a.bias.requires_grad_(False)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.dim() == 2], lr=1e-3)
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.dim() == 1], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        adamw.step()
+        sgd.step()
+        adamw.zero_grad()
+        sgd.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    return model, (adamw, sgd), get_optimizer_state_dict(model, (adamw, sgd), options=options)
+
+
+@needs_private
+def test_flatten_matches_torch_for_several_optimizers_and_frozen_params():
+    _, _, nested = two_optimizers_dsd(flatten=False)
+    _, _, flat = two_optimizers_dsd(flatten=True)
+    ours = dm.flatten(nested)
+    assert list(ours) == list(flat)
+    assert list(ours) == list(_flatten_optim(copy.deepcopy(nested)))
+    assert "state.a.bias.momentum_buffer" not in ours  # frozen: no state
+    assert "param_groups.a.bias.lr" in ours
+
+
+@pytest.mark.parametrize("like", [True, False], ids=["like", "without-like"])
+@pytest.mark.parametrize("name", sorted(OPTIMS))
+def test_unflatten_output_loads_through_set_optimizer_state_dict(name, like):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat_options = StateDictOptions(flatten_optimizer_state_dict=True)
+    torch.manual_seed(0)
+    model = Net()
+    optim = OPTIMS[name](model)
+    trained(model, optim)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optim, options=flat_options))
+
+    model2 = Net()
+    optim2 = OPTIMS[name](model2)
+    reference = get_optimizer_state_dict(model2, optim2) if like else None
+    # frozen_ish never gets a gradient: give it the reference's state so torch can load it
+    full = dm.merge(saved, reference) if like else saved
+    nested = dm.unflatten(full, like=reference)
+    strict = StateDictOptions(strict=like)  # without like, stateless params have no entry
+    set_optimizer_state_dict(model2, optim2, nested, options=strict)
+    resumed = get_optimizer_state_dict(model2, optim2, options=flat_options)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(resumed[key], value), key
+        else:
+            assert resumed[key] == value, key
+
+
+def test_unflatten_output_loads_for_several_optimizers():
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    _, _, flat = two_optimizers_dsd(flatten=True)
+    saved = copy.deepcopy(flat)
+    model, optims, _ = two_optimizers_dsd(flatten=True)
+    for o in optims:
+        o.state.clear()
+    reference = get_optimizer_state_dict(model, optims)
+    # frozen_ish never got a gradient: backfill it from the reference so strict DSD loads
+    nested = dm.unflatten(dm.merge(saved, reference), like=reference)
+    set_optimizer_state_dict(model, optims, nested)
+    resumed = get_optimizer_state_dict(
+        model, optims, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(resumed[key], value), key
