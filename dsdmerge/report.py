@@ -43,6 +43,7 @@ __all__ = [
     "format_mismatches",
     "parse_pattern",
     "render",
+    "render_patterns",
     "summary",
 ]
 
@@ -229,11 +230,11 @@ def compress(keys: Iterable[str], /, *, max_parts: int | None = None) -> list[Pa
     patterns: list[Pattern] = []
     for length, same_length in by_length.items():
         for merged in _merge_boxes(same_length, length, sets, intern):
-            segments = tuple(tuple(sorted(sets[s], key=_order)) for s in merged)
+            product = tuple(tuple(sorted(sets[s], key=_order)) for s in merged)
             if max_parts is None:
-                patterns.append(Pattern(segments))
+                patterns.append(Pattern(product))
             else:
-                patterns.extend(_split(segments, max_parts))
+                patterns.extend(_split(product, max_parts))
     return sorted(patterns, key=_rank)
 
 
@@ -531,10 +532,7 @@ def render(
         if keys:
             lines.append(_paint(f"{_plural(len(keys), 'key')} {what}:", name, color))
             patterns = compress(keys, max_parts=_PARTS)
-            rows = [(p.count, str(p)) for p in patterns[:limit]]
-            lines.extend(_rows(rows, table, color))
-            if len(patterns) > limit:
-                lines.append("  " + _paint(f"... and {_rest(patterns, limit)}", "dim", color))
+            lines.extend(render_patterns(patterns, limit=limit, table=table, color=color))
     if diff.mismatched:
         n = len(diff.mismatched)
         lines.append(_paint(f"{_plural(n, 'tensor')} {_MISMATCHED}:", "mismatched", color))
@@ -547,7 +545,37 @@ def render(
     return "\n".join(lines)
 
 
+def render_patterns(
+    patterns: Sequence[Pattern], /, *, limit: int = _SHOWN, table: bool = False, color: bool = False
+) -> list[str]:
+    r"""The lines listing the first ``limit`` patterns, indented, and a count of the rest.
+
+    Args:
+        patterns: Patterns, as :func:`compress` returns them (largest first).
+        limit: How many to show.
+        table: Key counts in an aligned left column rather than after each pattern.
+        color: Add ANSI colours.
+
+    Returns:
+        One line per shown pattern, plus ``"  ... and M more keys in K patterns"``
+        when some are not shown.
+
+    Example:
+        >>> from dsdmerge.report import compress, render_patterns
+        >>> print("\n".join(render_patterns(compress(["a.0", "a.1", "a.2", "b", "c.d"]), limit=2)))
+          a.{0..2}  (3 keys)
+          b
+          ... and 1 more key in 1 pattern
+    """
+    lines = _rows([(p.count, str(p)) for p in patterns[:limit]], table, color)
+    if len(patterns) > limit:
+        lines.append("  " + _paint(f"... and {_rest(patterns, limit)}", "dim", color))
+    return lines
+
+
 def _rows(rows: Sequence[tuple[int, str]], table: bool, color: bool) -> list[str]:
+    if not rows:
+        return []
     if table:
         width = max(len(f"{n:,}") for n, _ in rows)
         return [f"  {_paint(f'{n:>{width},}', 'dim', color)}  {text}" for n, text in rows]
