@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dsdmerge.errors import DSDMergeError, StateDictTypeError
+from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
     from dsdmerge.diff import KeyDiff, Mismatch, TensorMeta
@@ -52,10 +52,6 @@ _DECIMAL = re.compile(r"(?:0|[1-9][0-9]*)\Z")
 _SPECIAL = re.compile(r"([\\{},])")
 _RUN = 3  # consecutive integers shown as a range from this many on; fewer are listed
 _PARTS = 16  # parts per brace group in reports: longer groups are split into more patterns
-
-
-class PatternError(DSDMergeError, ValueError):
-    """A pattern text that :func:`parse_pattern` cannot read."""
 
 
 def _is_decimal(segment: str) -> bool:
