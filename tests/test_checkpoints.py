@@ -312,6 +312,7 @@ def test_truncated_torch_file(tmp_path, keep):
         assert type(info.value) is dm.CheckpointReadError  # corrupt, not "unsafe"
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")
 def test_garbage_torch_file(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"\x80\x04garbage" * 10)
     with pytest.raises(dm.CheckpointReadError, match=r"ckpt\.pt: not a readable torch"):

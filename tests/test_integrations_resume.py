@@ -124,6 +124,20 @@ def test_policy_rejection_loads_nothing(saved):
     assert [g["lr"] for g in optim.param_groups] == [1e-3, 1e-3]  # not the checkpoint's
 
 
+def test_warnings_point_at_the_caller(saved):
+    model = TinyModel()
+    optim, _ = make_optimizer(model)
+    with pytest.warns(dm.DSDMergeWarning, match="indexer") as record:
+        resume_optimizer(model, optim, saved["flat"], options=FLAT, policy="warn")
+    assert {w.filename for w in record} == {__file__}
+    with pytest.warns(dm.DSDMergeWarning, match=r"state\.1\.step") as record:
+        resume_optimizer(model, optim, saved["int"], policy="warn")
+    assert {w.filename for w in record} == {__file__}
+    with pytest.warns(dm.DSDMergeWarning, match="extra") as record:
+        resume_model(model, {**saved["model"], "extra": torch.zeros(1)}, policy="warn")
+    assert {w.filename for w in record} == {__file__}
+
+
 def test_bad_arguments():
     model = TinyModel()
     optim, _ = make_optimizer(model)
@@ -453,6 +467,14 @@ def test_load_dcp_refuses_before_reading_any_tensor(dcp_checkpoint):
     assert torch.equal(model.new_head.weight, before)
     with pytest.raises(dm.CheckpointReadError, match="DCP load failed"):
         load_dcp(path, target, policy="default")
+
+
+def test_load_dcp_warnings_point_at_the_caller(dcp_checkpoint):
+    path, _, _ = dcp_checkpoint
+    model = TinyModel()
+    with pytest.warns(dm.DSDMergeWarning, match="optim") as record:
+        load_dcp(path, {"model": get_model_state_dict(model)}, policy="warn")
+    assert {w.filename for w in record} == {__file__}
 
 
 def test_load_dcp_shape_mismatch_let_through_is_not_read(dcp_checkpoint):

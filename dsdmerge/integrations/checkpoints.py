@@ -114,9 +114,10 @@ class CheckpointView(Mapping[str, Any]):
         path: The checkpoint path, as a string.
         format: ``"dcp"``, ``"torch"`` or ``"safetensors"``.
         tensor_count: How many tensors the checkpoint holds.
-        nbytes: Their total size in bytes, per the metadata (global sizes for
-            sharded DCP tensors; views sharing a storage in a torch file count
-            once per view).
+        nbytes: Their total size in bytes, per the metadata: global sizes for
+            sharded DCP tensors and for DTensors in a per-rank torch file (what
+            the tensors describe, not what this file stores); views sharing a
+            storage count once per view.
         dtypes: ``{dtype name: number of tensors}``, e.g. ``{"float32": 10}``.
         UNREAD: The placeholder for DCP non-tensor values (identical everywhere,
             so two of them always compare equal).
