@@ -130,7 +130,9 @@ def test_warnings_point_at_the_caller(saved):
     with pytest.warns(dm.DSDMergeWarning, match="indexer") as record:
         resume_optimizer(model, optim, saved["flat"], options=FLAT, policy="warn")
     assert {w.filename for w in record} == {__file__}
-    with pytest.warns(dm.DSDMergeWarning, match=r"state\.1\.step") as record:
+    with pytest.warns(
+        dm.DSDMergeWarning, match=r"'state\.\{1,4\}\.\{exp_avg,exp_avg_sq,step\}'"
+    ) as record:
         resume_optimizer(model, optim, saved["int"], policy="warn")
     assert {w.filename for w in record} == {__file__}
     with pytest.warns(dm.DSDMergeWarning, match="extra") as record:
