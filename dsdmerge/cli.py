@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["EXIT_DIFFERS", "EXIT_ERROR", "EXIT_OK", "build_parser", "main"]
+__all__ = [
+    "EXIT_DIFFERS",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "CLIError",
+    "build_parser",
+    "main",
+    "write_checkpoint",
+]
 
 EXIT_OK = 0
 """Success; for ``diff``: nothing differs."""
@@ -89,6 +97,7 @@ def _trust_warning(args: argparse.Namespace) -> None:
 
 def _read(path: str, *, trusted: bool) -> tuple[Any, str]:
     """The metadata-only view of a checkpoint and the layout it was saved in."""
+    from dsdmerge.errors import LayoutError
     from dsdmerge.integrations.checkpoints import (
         detect_format,
         load_checkpoint,
@@ -108,7 +117,10 @@ def _read(path: str, *, trusted: bool) -> tuple[Any, str]:
     if layout is None and fmt == "torch":
         # The view is flat; the saved nesting needs the unpickled structure. The load
         # memory-maps the file and touches no tensor bytes.
-        layout = classify(load_checkpoint(path, trusted=trusted))
+        try:
+            layout = classify(load_checkpoint(path, trusted=trusted))
+        except LayoutError:
+            layout = "mixed (nested optimizer sections next to flattened keys)"
     return view, str(layout or "flat")
 
 
