@@ -20,6 +20,7 @@ from dsdmerge.errors import (
     DSDMergeWarning,
     LayoutError,
     MergeError,
+    PatternError,
     StateDictTypeError,
     UnsafeCheckpointError,
 )
@@ -41,6 +42,9 @@ from dsdmerge.policy import (
     Policy,
     resolve_policy,
 )
+
+# Reports
+from dsdmerge.report import Pattern, compress, expand
 
 __version__ = "0.1.0"
 
@@ -68,6 +72,10 @@ __all__ = [
     "WARN",
     "STRICT",
     "resolve_policy",
+    # Reports
+    "Pattern",
+    "compress",
+    "expand",
     # Errors and warnings
     "DSDMergeError",
     "LayoutError",
@@ -76,5 +84,6 @@ __all__ = [
     "InvalidPolicyError",
     "CheckpointReadError",
     "UnsafeCheckpointError",
+    "PatternError",
     "DSDMergeWarning",
 ]

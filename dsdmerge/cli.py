@@ -2,16 +2,433 @@
 
 Subcommands:
 
+* ``dsdmerge inspect PATH``: layout, key and tensor counts, bytes, dtypes and
+  compressed key patterns of a checkpoint, from its metadata only.
+* ``dsdmerge diff CHECKPOINT REFERENCE``: what differs, as an exact compressed
+  report; exit 0 when nothing differs, 1 when something does, 2 on error.
+* ``dsdmerge merge CHECKPOINT REFERENCE -o OUT``: merge under a policy and write
+  the result, in the checkpoint's format, atomically.
 * ``dsdmerge demo``: the resume story on a built-in tiny model.
+
+PATH may be a torch ``.pt``/``.pth``/``.bin`` file, a ``.safetensors`` file or
+a ``torch.distributed.checkpoint`` directory. Pickles are never given an
+unrestricted unpickler unless ``--trust`` is passed. Errors print one line on
+stderr and exit 2. This is the only module of dsdmerge that prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["main"]
+__all__ = [
+    "EXIT_DIFFERS",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "CLIError",
+    "build_parser",
+    "main",
+    "write_checkpoint",
+]
+
+EXIT_OK = 0
+"""Success; for ``diff``: nothing differs."""
+EXIT_DIFFERS = 1
+"""``diff``: something differs. ``merge``: the policy rejected the merge (nothing written)."""
+EXIT_ERROR = 2
+"""Bad usage, or a path that cannot be read or written (one line on stderr)."""
+
+_LIMIT = 10
+
+_TRUST_HELP = (
+    "UNSAFE: unpickle torch files and DCP .metadata without restriction. A pickle can run "
+    "any code on your machine; use this only for files you created yourself"
+)
+
+
+class CLIError(Exception):
+    """A problem the command line reports in one line and exits 2 for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Style:
+    """How to print to one stream: colours and aligned tables only on a terminal."""
+
+    color: bool
+    table: bool
+
+    @classmethod
+    def of(cls, stream: IO[str]) -> _Style:
+        tty = _isatty(stream)
+        no_color = bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
+        return cls(color=tty and not no_color, table=tty)
+
+    def paint(self, text: str, code: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def _trust_warning(args: argparse.Namespace) -> None:
+    if getattr(args, "trust", False):
+        _stderr(
+            "dsdmerge: warning: --trust given: pickles are loaded without restriction and "
+            "can run code"
+        )
+
+
+def _read(path: str, *, trusted: bool) -> tuple[Any, str]:
+    """The metadata-only view of a checkpoint and the layout it was saved in."""
+    from dsdmerge.errors import LayoutError
+    from dsdmerge.integrations.checkpoints import (
+        detect_format,
+        load_checkpoint,
+        read_dcp_metadata,
+        read_metadata,
+    )
+    from dsdmerge.layout import classify
+
+    fmt = detect_format(path)
+    if fmt == "dcp":
+        view, metadata = read_dcp_metadata(path, trusted=trusted)
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
+        return view, getattr(view, "layout", None) or ("nested" if nested else "flat")
+    view = read_metadata(path, trusted=trusted)
+    layout = getattr(view, "layout", None)
+    if layout is None and fmt == "torch":
+        # The view is flat; the saved nesting needs the unpickled structure. The load
+        # memory-maps the file and touches no tensor bytes.
+        try:
+            layout = classify(load_checkpoint(path, trusted=trusted))
+        except LayoutError:
+            layout = "mixed (nested optimizer sections next to flattened keys)"
+    return view, str(layout or "flat")
+
+
+def _view(path: str, *, trusted: bool) -> Any:
+    from dsdmerge.integrations.checkpoints import read_metadata
+
+    return read_metadata(path, trusted=trusted)
+
+
+# -- inspect -------------------------------------------------------------------------
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n:,} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dsdmerge.report import compress, render_patterns
+
+    _trust_warning(args)
+    view, layout = _read(args.path, trusted=args.trust)
+    patterns = compress(view, max_parts=16)
+    if args.json:
+        _print_json(
+            {
+                "path": view.path,
+                "format": view.format,
+                "layout": layout,
+                "keys": len(view),
+                "tensors": view.tensor_count,
+                "bytes": view.nbytes,
+                "dtypes": view.dtypes,
+                "patterns": [p.to_dict() for p in patterns],
+            }
+        )
+        return EXIT_OK
+    style = _Style.of(sys.stdout)
+    dtypes = ", ".join(f"{name} x {n:,}" for name, n in view.dtypes.items()) or "-"
+    rows = [
+        ("format", view.format),
+        ("layout", layout),
+        ("keys", f"{len(view):,}"),
+        ("tensors", f"{view.tensor_count:,} ({_bytes(view.nbytes)})"),
+        ("dtypes", dtypes),
+    ]
+    print(style.paint(view.path, "1"))
+    if style.table:
+        for name, value in rows:
+            print(f"  {name:<8} {value}")
+    else:
+        for name, value in rows:
+            print(f"  {name}: {value}")
+    n = len(patterns)
+    print(f"  key patterns ({n:,}):" if n else "  no keys")
+    lines = render_patterns(patterns, limit=args.limit, table=style.table, color=style.color)
+    for line in lines:
+        print(f"  {line}")
+    return EXIT_OK
+
+
+# -- diff ----------------------------------------------------------------------------
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import dsdmerge as dm
+    from dsdmerge.report import render, summary
+
+    _trust_warning(args)
+    ckpt = _view(args.checkpoint, trusted=args.trust)
+    ref = _view(args.reference, trusted=args.trust)
+    d = dm.diff(ckpt, ref)
+    status = EXIT_DIFFERS if d else EXIT_OK
+    if args.json:
+        _print_json(
+            {
+                "checkpoint": ckpt.path,
+                "reference": ref.path,
+                "differs": bool(d),
+                **d.to_dict(),
+                "summary": summary(d),
+            }
+        )
+        return status
+    style = _Style.of(sys.stdout)
+    for label, view in (("checkpoint", ckpt), ("reference", ref)):
+        print(f"{label}: {view.path} ({view.format}, {len(view):,} keys)")
+    print(render(d, limit=args.limit, table=style.table, color=style.color))
+    return status
+
+
+# -- merge ---------------------------------------------------------------------------
+
+
+def _merge(args: argparse.Namespace) -> int:
+    import dsdmerge as dm
+    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint
+    from dsdmerge.report import render
+
+    _trust_warning(args)
+    out = Path(args.out)
+    _check_out(out, force=args.force)
+    fmt = detect_format(args.checkpoint)
+    if fmt != "dcp" and out.is_dir():
+        raise CLIError(f"{out}: is a directory; a {fmt} checkpoint is written as one file")
+    ckpt = load_checkpoint(args.checkpoint, trusted=args.trust)
+    ref = load_checkpoint(args.reference, trusted=args.trust)
+    policy = dm.resolve_policy(args.policy)
+    if args.on_shape_mismatch == "take-reference":
+        policy = policy.replace(shape="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", dm.DSDMergeWarning)
+        try:
+            merged = dm.merge_with_diff(
+                ckpt,
+                ref,
+                policy=policy,
+                allow_missing=args.allow_missing,
+                allow_unexpected=args.allow_unexpected,
+            )
+        except dm.MergeError as err:
+            _stderr(f"dsdmerge: {_cli_advice(str(err))}")
+            _stderr(f"dsdmerge: nothing written to {out}")
+            return EXIT_DIFFERS
+    for w in caught:
+        text = str(w.message).removeprefix("dsdmerge: ")
+        _stderr(f"dsdmerge: warning: {_cli_advice(text)}")
+    _check_out(out, force=args.force)  # again: it may have appeared while we merged
+    write_checkpoint(merged.state_dict, out, fmt, force=args.force)
+    style = _Style.of(sys.stdout)
+    print(f"wrote {out} ({fmt}, {len(dm.flatten(merged.state_dict)):,} keys)")
+    if merged.diff:
+        print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
+    return EXIT_OK
+
+
+_ADVICE = (
+    ("allow_missing=[<glob>, ...]", "--allow-missing GLOB"),
+    ("allow_unexpected=[<glob>, ...]", "--allow-unexpected GLOB"),
+    ("merge with dsdmerge.Policy(shape='warn')", "pass --on-shape-mismatch take-reference"),
+)
+
+
+def _cli_advice(text: str) -> str:
+    """The library's advice, spelled as command-line options."""
+    for api, option in _ADVICE:
+        text = text.replace(api, option)
+    return text
+
+
+def _check_out(out: Path, *, force: bool) -> None:
+    if (out.exists() or out.is_symlink()) and not force:
+        raise CLIError(f"{out}: already exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise CLIError(f"{out}: directory {out.parent} does not exist")
+
+
+def write_checkpoint(state_dict: Mapping[str, Any], out: Path, fmt: str, *, force: bool) -> None:
+    """Write ``state_dict`` to ``out`` in format ``fmt``, atomically.
+
+    The data goes to a temporary file (or directory) next to ``out``, which is
+    renamed over ``out`` only once complete, so a failure part-way leaves
+    ``out`` as it was (absent, or the old checkpoint) and no temporary behind.
+
+    Args:
+        state_dict: The state dict to write.
+        out: The destination.
+        fmt: ``"torch"``, ``"safetensors"`` or ``"dcp"``.
+        force: Replace an existing ``out``.
+
+    Raises:
+        CLIError: ``out`` exists and ``force`` is false, or the state dict
+            cannot be written in that format.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from dsdmerge.cli import write_checkpoint
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     write_checkpoint({"w": torch.ones(2)}, Path(tmp, "m.pt"), "torch", force=False)
+        ...     sorted(p.name for p in Path(tmp).iterdir())
+        ['m.pt']
+    """
+    writers: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
+        "torch": _write_torch,
+        "safetensors": _write_safetensors,
+        "dcp": _write_dcp,
+    }
+    write = writers[fmt]
+    parent = out.parent
+    if fmt == "dcp":
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp"))
+        os.chmod(tmp, _file_mode(out, directory=True))
+    else:
+        fd, name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+        os.chmod(tmp, _file_mode(out))
+    try:
+        write(state_dict, tmp)
+        _replace(tmp, out, force=force)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _file_mode(out: Path, *, directory: bool = False) -> int:
+    """The mode of what is being replaced, else what ``open()``/``mkdir()`` would create."""
+    with contextlib.suppress(OSError):
+        return out.stat().st_mode & 0o7777
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
+def _replace(tmp: Path, out: Path, *, force: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        if tmp.is_dir():
+            os.rename(tmp, out)
+        else:
+            # link, not rename: fails instead of replacing an OUT that appeared meanwhile
+            try:
+                os.link(tmp, out)
+            except FileExistsError:
+                raise CLIError(f"{out}: already exists; pass --force to replace it") from None
+            except OSError:  # no hard links on this file system
+                os.replace(tmp, out)
+                return
+            tmp.unlink()
+        return
+    if not force:
+        raise CLIError(f"{out}: already exists; pass --force to replace it")
+    if tmp.is_dir() or out.is_dir():
+        if not out.is_dir() or out.is_symlink():
+            raise CLIError(f"{out}: exists and is not a directory; remove it first")
+        # A directory cannot be renamed over a non-empty one: move the old one aside first.
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.rename(out, old / "ckpt")
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old / "ckpt", out)
+            shutil.rmtree(old, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(tmp, out)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_torch(state_dict: Mapping[str, Any], tmp: Path) -> None:
+    import torch
+
+    torch.save(state_dict, tmp)
+    _fsync(tmp)
+
+
+def _write_safetensors(state_dict: Mapping[str, Any], tmp: Path) -> None:
+    import torch
+
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CLIError(
+            f"{tmp.name}: writing safetensors needs the safetensors package; "
+            "pip install 'dsdmerge[safetensors]'"
+        ) from None
+    bad = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        from dsdmerge.report import format_keys
+
+        raise CLIError(
+            f"cannot write safetensors: {len(bad)} value(s) are not tensors "
+            f"({format_keys(bad, limit=3)}); merge into a torch checkpoint instead"
+        )
+    try:
+        save_file(dict(state_dict), str(tmp))
+    except (RuntimeError, ValueError) as err:
+        raise CLIError(f"cannot write safetensors: {' '.join(str(err).split())}") from err
+    _fsync(tmp)
+
+
+def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+
+
+# -- demo ----------------------------------------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,43 +436,255 @@ def _demo(args: argparse.Namespace) -> int:
 
     for line in run_demo(steps=args.steps):
         print(line)
-    return 0
+    return EXIT_OK
+
+
+# -- plumbing ------------------------------------------------------------------------
+
+
+def _print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
+_DESCRIPTION = """\
+Inspect, diff and merge PyTorch checkpoint state dicts.
+
+PATH, CHECKPOINT and REFERENCE may be a torch .pt/.pth/.bin file, a .safetensors file
+or a torch.distributed.checkpoint (DCP) directory. inspect and diff read metadata only
+(no tensor bytes). Torch files load with weights_only=True and DCP .metadata through a
+restricted unpickler: a pickle that would run code is refused (exit 2), never run.
+
+Exit status: 0 success (diff: no differences), 1 diff: differences / merge: rejected
+by the policy (nothing written), 2 error (one line on stderr).
+"""
+
+_EXAMPLES = {
+    "inspect": """\
+examples:
+  dsdmerge inspect step-1000.pt
+  dsdmerge inspect checkpoints/step-1000/            # a DCP directory
+  dsdmerge inspect model.safetensors --json | jq .layout
+""",
+    "diff": """\
+examples:
+  dsdmerge diff step-1000.pt fresh.pt
+  dsdmerge diff checkpoints/step-1000/ fresh/ --limit 30
+  dsdmerge diff old.safetensors new.safetensors --json | jq '.missing | length'
+  dsdmerge diff a.pt b.pt > /dev/null || echo "they differ (or an error: exit 2)"
+""",
+    "merge": """\
+examples:
+  dsdmerge merge step-1000.pt fresh.pt -o resumable.pt
+  dsdmerge merge step-1000.pt fresh.pt -o resumable.pt --policy strict \\
+      --allow-missing '*.indexer.*'
+  dsdmerge merge ckpt/ fresh/ -o merged/ --policy warn --allow-unexpected 'ema.*' --force
+  dsdmerge merge old.safetensors new.safetensors -o grown.safetensors \
+      --on-shape-mismatch take-reference
+
+The result has the checkpoint's format and layout: every checkpoint value kept, every
+key only the reference has taken from it. OUT is never replaced without --force and is
+written atomically (a temporary next to it, renamed when complete).
+""",
+    "demo": """\
+example:
+  dsdmerge demo
+""",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dsdmerge`` command."""
-    parser = argparse.ArgumentParser(
-        prog="dsdmerge",
-        description="Inspect, diff and merge PyTorch checkpoint state dicts.",
-    )
+    """The argument parser of the ``dsdmerge`` command.
+
+    Example:
+        >>> from dsdmerge.cli import build_parser
+        >>> build_parser().parse_args(["diff", "a.pt", "b.pt", "--json"]).json
+        True
+    """
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="dsdmerge", description=_DESCRIPTION, formatter_class=raw)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser(
-        "demo",
-        help="run the resume story on a built-in tiny model",
-        description="Train a tiny model whose indexer never gets gradients, save its flattened "
-        "optimizer state, show torch failing to resume from it and dsdmerge making it load.",
-        epilog="example:\n  dsdmerge demo",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+
+    def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=description, epilog=_EXAMPLES[name], formatter_class=raw
+        )
+
+    def common(p: argparse.ArgumentParser, *, json_help: str | None) -> None:
+        if json_help:
+            p.add_argument("--json", action="store_true", help=json_help)
+        p.add_argument(
+            "--limit",
+            type=_positive,
+            default=_LIMIT,
+            metavar="N",
+            help=f"key patterns shown per section (default: {_LIMIT})",
+        )
+        p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
+
+    inspect = add(
+        "inspect",
+        "layout, counts, bytes, dtypes and key patterns of a checkpoint",
+        "Show a checkpoint's format, layout, key count, tensor count and bytes, dtypes and "
+        "its keys compressed into exact patterns, from its metadata only.",
     )
-    demo.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
+    inspect.add_argument("path", metavar="PATH", help="checkpoint file or DCP directory")
+    common(
+        inspect,
+        json_help='print JSON: "path", "format", "layout", "keys" (the count), "tensors", '
+        '"bytes", "dtypes", "patterns"',
+    )
+    inspect.set_defaults(func=_inspect)
+
+    diff = add(
+        "diff",
+        "what differs between a checkpoint and a reference",
+        "Report keys missing from the checkpoint, keys unexpected in it and tensors whose "
+        "shape or dtype differ, compressed into exact patterns (every key a pattern names "
+        "exists). Reads metadata only. Exit 0: nothing differs, 1: something does, 2: error.",
+    )
+    diff.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint you resume from")
+    diff.add_argument("reference", metavar="REFERENCE", help="the state dict you have now")
+    common(
+        diff,
+        json_help='print JSON with lists "missing", "unexpected", "mismatched" (every key) '
+        'and a compressed "summary"',
+    )
+    diff.set_defaults(func=_diff)
+
+    merge = add(
+        "merge",
+        "merge a checkpoint over a reference under a policy and write it",
+        "Merge CHECKPOINT over REFERENCE under a policy and write the result to OUT in the "
+        "checkpoint's format. A policy violation exits 1 and writes nothing.",
+    )
+    merge.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint you resume from")
+    merge.add_argument("reference", metavar="REFERENCE", help="a fresh state dict to backfill from")
+    merge.add_argument("-o", "--out", required=True, metavar="OUT", help="where to write")
+    merge.add_argument(
+        "--policy",
+        choices=("default", "strict", "warn"),
+        default="default",
+        help="default: backfill and keep quietly; warn: the same, with warnings; strict: "
+        "fail on any difference not allowed below (default: default)",
+    )
+    merge.add_argument(
+        "--allow-missing",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="keys the checkpoint may lack (fnmatch over flat keys, * crosses dots); repeatable",
+    )
+    merge.add_argument(
+        "--allow-unexpected",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="keys the reference may lack; repeatable",
+    )
+    merge.add_argument(
+        "--on-shape-mismatch",
+        choices=("raise", "take-reference"),
+        default="raise",
+        help="a tensor whose shape differs: fail (default), or take the reference's tensor "
+        "with a warning (torch would reject the checkpoint's)",
+    )
+    merge.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    common(merge, json_help=None)
+    merge.set_defaults(func=_merge)
+
+    demo = add(
+        "demo",
+        "run the resume story on a built-in tiny model",
+        "Train a tiny model whose indexer never gets gradients, save its flattened "
+        "optimizer state, show torch failing to resume from it and dsdmerge making it load.",
+    )
+    demo.add_argument("--steps", type=_positive, default=5, help="training steps (default: 5)")
     demo.set_defaults(func=_demo)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _version() -> str:
+    from dsdmerge import __version__
+
+    return __version__
+
+
+@contextlib.contextmanager
+def _quiet_broken_pipe() -> Iterator[None]:
+    """``dsdmerge diff ... | head`` must not end in a traceback."""
+    try:
+        yield
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dsdmerge`` command; return its exit status.
 
+    Errors (a missing, corrupt, truncated, unsafe or unknown checkpoint, an
+    OUT that exists) print one line on stderr and return :data:`EXIT_ERROR`;
+    set ``DSDMERGE_TRACEBACK=1`` to see the traceback of an unexpected one.
+
     Example:
         >>> from dsdmerge.cli import main
-        >>> main(["--help"])  # doctest: +SKIP
+        >>> main(["inspect", "/no/such/file.pt"])  # doctest: +SKIP
+        2
     """
+    from dsdmerge.errors import DSDMergeError, UnsafeCheckpointError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    status: int = args.func(args)
-    return status
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        with _quiet_broken_pipe():
+            status: int = args.func(args)
+        return status
+    except BrokenPipeError:
+        return EXIT_OK
+    except KeyboardInterrupt:
+        _stderr("dsdmerge: interrupted")
+        return 130
+    except UnsafeCheckpointError as err:
+        text = _one_line(err).replace("trusted=True", "--trust")
+        if "--trust" not in text:
+            text += " Pass --trust only if you trust where it came from."
+        _stderr(f"dsdmerge: error: {text}")
+        return EXIT_ERROR
+    except (CLIError, DSDMergeError, OSError) as err:
+        _stderr(f"dsdmerge: error: {_one_line(err)}")
+        return EXIT_ERROR
+    except Exception as err:
+        if os.environ.get("DSDMERGE_TRACEBACK"):
+            raise
+        _stderr(
+            f"dsdmerge: error: unexpected {type(err).__name__}: {_one_line(err)} "
+            "(set DSDMERGE_TRACEBACK=1 to see where)"
+        )
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,7 @@ working::
     ├── LayoutError(DSDMergeError, ValueError)         malformed or ambiguous structure
     ├── StateDictTypeError(DSDMergeError, TypeError)   not a state dict, or a bad key type
     ├── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
+    ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
     └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
         └── UnsafeCheckpointError                      a pickle that would run code: refused
 
@@ -28,6 +29,7 @@ __all__ = [
     "DSDMergeWarning",
     "LayoutError",
     "MergeError",
+    "PatternError",
     "StateDictTypeError",
     "UnsafeCheckpointError",
 ]
@@ -89,6 +91,10 @@ class MergeError(DSDMergeError, ValueError):
     ) -> None:
         super().__init__(message, diff=diff)
         self.problems = problems
+
+
+class PatternError(DSDMergeError, ValueError):
+    """A key pattern text that :func:`dsdmerge.report.parse_pattern` cannot read."""
 
 
 class CheckpointReadError(DSDMergeError, OSError):

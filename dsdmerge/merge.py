@@ -217,7 +217,10 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
                     shape,
                     "shape",
                     "torch would reject them on load. If the model changed shape on purpose, "
-                    "merge with dsdmerge.Policy(shape='warn') to take the reference's tensors",
+                    "merge with dsdmerge.Policy(shape='warn') to take the reference's tensors"
+                    if policy.shape == "raise"
+                    else "torch would reject the checkpoint's tensors, so the reference's "
+                    "were taken",
                 ),
             )
         )

@@ -1,4 +1,20 @@
-"""Readable reports of key diffs.
+r"""Readable, exact reports of key diffs, over hundreds of thousands of keys.
+
+:func:`compress` groups flat keys into :class:`Pattern` values: a pattern is a
+product of per-segment alternatives, written ``layers.{0..3,5..60}.attn.{wk,wq}``.
+Integer segments become ranges with every gap shown; other segments become
+alternatives. Compression is **exact**: :func:`expand` of a pattern yields
+exactly the keys it stands for, never a key that does not exist (for the two
+keys ``layers.0.experts.1`` and ``layers.1.experts.0`` you get two patterns, not
+``layers.{0,1}.experts.{0,1}``), and the patterns of one call are disjoint.
+
+Pattern syntax: segments are joined by ``.``; a segment is a literal or a brace
+group ``{a,b,0..3}`` of alternatives, where ``m..n`` (``m < n``) is every
+integer from ``m`` to ``n`` written in plain decimal. Only segments that are
+plain decimals (``0``, ``17``; not ``01`` or ``-1``) ever become ranges, so
+``01`` stays ``01``. The characters ``\ { } ,`` inside a key are escaped with a
+backslash (the key ``a{b`` is the pattern ``a\{b``), so every pattern text
+parses back to the same keys (:func:`parse_pattern`).
 
 Reports never print: they return text, as :meth:`KeyDiff.__str__` does, so a
 trainer can log them where it likes.
@@ -6,31 +22,423 @@ trainer can log them where it likes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
     from dsdmerge.diff import KeyDiff, Mismatch, TensorMeta
 
-__all__ = ["format_keys", "format_mismatches", "render"]
+__all__ = [
+    "Pattern",
+    "PatternError",
+    "compress",
+    "expand",
+    "format_keys",
+    "format_mismatches",
+    "parse_pattern",
+    "render",
+    "render_patterns",
+    "summary",
+]
 
 _SHOWN = 10
+_DECIMAL = re.compile(r"(?:0|[1-9][0-9]*)\Z")
+_SPECIAL = re.compile(r"([\\{},])")
+_RUN = 3  # consecutive integers shown as a range from this many on; fewer are listed
+_PARTS = 16  # parts per brace group in reports: longer groups are split into more patterns
 
 
-def format_keys(keys: Sequence[str], /, *, limit: int = _SHOWN) -> str:
-    """The keys, sorted and quoted, at most ``limit`` of them and a count of the rest.
+def _is_decimal(segment: str) -> bool:
+    return _DECIMAL.match(segment) is not None
 
-    Does not modify its input.
+
+def _order(segment: str) -> tuple[int, int, str]:
+    """Plain decimals first, numerically; then everything else, by code point."""
+    if _is_decimal(segment):
+        return (0, int(segment), "")
+    return (1, 0, segment)
+
+
+def _escape(segment: str) -> str:
+    return _SPECIAL.sub(r"\\\1", segment) if _SPECIAL.search(segment) else segment
+
+
+def _parts(alternatives: Iterable[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """The comma-separated parts of a brace group: ``(text, the alternatives it stands for)``.
+
+    Runs of at least ``_RUN`` consecutive plain decimals are one ``m..n`` part;
+    other decimals, numerically, then the other alternatives, escaped, are one
+    part each.
+    """
+    parts: list[tuple[str, tuple[str, ...]]] = []
+    numbers = sorted(int(s) for s in alternatives if _is_decimal(s))
+    i = 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        if j - i + 1 >= _RUN:
+            run = tuple(str(n) for n in numbers[i : j + 1])
+            parts.append((f"{numbers[i]}..{numbers[j]}", run))
+        else:
+            parts.extend((str(n), (str(n),)) for n in numbers[i : j + 1])
+        i = j + 1
+    others = sorted((s for s in alternatives if not _is_decimal(s)), key=_order)
+    parts.extend((_escape(s), (s,)) for s in others)
+    return parts
+
+
+def _render_segment(alternatives: tuple[str, ...]) -> str:
+    if len(alternatives) == 1:
+        return _escape(alternatives[0])
+    return "{" + ",".join(text for text, _ in _parts(alternatives)) + "}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pattern:
+    """A set of flat keys written as one product of per-segment alternatives.
+
+    Attributes:
+        segments: For each dot-separated position, the alternatives at that
+            position in display order (plain decimals numerically, then the
+            rest). The pattern stands for every key that joins one alternative
+            per position with dots, and for nothing else.
+
+    ``str(pattern)`` is the pattern text (``layers.{0..2}.w``); ``len()`` and
+    :attr:`count` are the number of keys.
+
+    Example:
+        >>> from dsdmerge.report import compress
+        >>> [p] = compress(["layers.0.w", "layers.1.w", "layers.2.w", "layers.4.w"])
+        >>> str(p), p.count
+        ('layers.{0..2,4}.w', 4)
+    """
+
+    segments: tuple[tuple[str, ...], ...]
+
+    @property
+    def count(self) -> int:
+        """How many keys the pattern stands for."""
+        return math.prod(len(s) for s in self.segments)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __str__(self) -> str:
+        return ".".join(_render_segment(s) for s in self.segments)
+
+    def keys(self) -> set[str]:
+        """Exactly the keys the pattern stands for (the same as :func:`expand`)."""
+        return {".".join(parts) for parts in itertools.product(*self.segments)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready ``{"pattern": "layers.{0..2}.w", "count": 3}``."""
+        return {"pattern": str(self), "count": self.count}
+
+
+def compress(keys: Iterable[str], /, *, max_parts: int | None = None) -> list[Pattern]:
+    """Group keys into disjoint, exact patterns; the largest first.
+
+    Keys are split at dots; keys with the same number of segments that differ
+    in one segment only are merged into one pattern, repeatedly, until no two
+    patterns can be merged that way. So every pattern stands for exactly keys
+    from ``keys`` (never more), every key is in exactly one pattern, and the
+    result depends only on the set of keys, not on their order. Does not modify
+    its input.
+
+    Args:
+        keys: Flat keys (str), in any order; duplicates are ignored.
+        max_parts: If given, a brace group never has more than this many
+            comma-separated parts (a range ``m..n`` is one part): longer groups
+            are split into several disjoint patterns, so every line of a report
+            stays short. Reports use 16.
+
+    Returns:
+        The patterns, ordered by key count (largest first), then by text.
+
+    Raises:
+        StateDictTypeError: A key is not a str.
+        ValueError: ``max_parts`` is less than 1.
+
+    Example:
+        >>> from dsdmerge.report import compress
+        >>> keys = [f"layers.{i}.attn.{w}" for i in (0, 1, 2, 3, 5) for w in ("wq", "wk")]
+        >>> [(str(p), p.count) for p in compress(keys, max_parts=_PARTS)]
+        [('layers.{0..3,5}.attn.{wk,wq}', 10)]
+        >>> [str(p) for p in compress(["layers.0.experts.1", "layers.1.experts.0"])]
+        ['layers.0.experts.1', 'layers.1.experts.0']
+    """
+    if max_parts is not None and max_parts < 1:
+        raise ValueError(f"max_parts must be at least 1, got {max_parts}")
+    unique = set(keys)
+    for key in unique:
+        if type(key) is not str:
+            raise StateDictTypeError(f"compress takes str keys, got {key!r}")
+    sets: list[frozenset[str]] = []
+    ids: dict[frozenset[str], int] = {}
+
+    def intern(alternatives: frozenset[str]) -> int:
+        sid = ids.get(alternatives)
+        if sid is None:
+            sid = ids[alternatives] = len(sets)
+            sets.append(alternatives)
+        return sid
+
+    # The first cycle of merges, last position first, on strings: a box is the
+    # text before its merged positions (None once every segment is merged) and
+    # the interned alternative sets of those positions. Boxes agreeing on both
+    # but for one segment merge; texts are split once, from the right.
+    singletons: dict[str, int] = {}
+    done: list[tuple[int, ...]] = []
+    lasts: dict[str | None, list[str]] = {}
+    for key in unique:
+        head, dot, last = key.rpartition(".")
+        lasts.setdefault(head if dot else None, []).append(last)
+    pending: dict[tuple[str | None, tuple[int, ...]], list[str]] = {
+        (text, ()): segments for text, segments in lasts.items()
+    }
+    del lasts
+    while pending:
+        following: dict[tuple[str | None, tuple[int, ...]], list[str]] = {}
+        for (rest, tail), segments in pending.items():
+            if len(segments) == 1:
+                sid = singletons.get(segments[0])
+                if sid is None:
+                    sid = singletons[segments[0]] = intern(frozenset(segments))
+            else:
+                sid = intern(frozenset(segments))
+            if rest is None:
+                done.append((sid, *tail))
+            else:
+                before, dot, segment = rest.rpartition(".")
+                following.setdefault((before if dot else None, (sid, *tail)), []).append(segment)
+        pending = following
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for box in done:
+        by_length.setdefault(len(box), []).append(box)
+
+    patterns: list[Pattern] = []
+    for length, same_length in by_length.items():
+        for merged in _merge_boxes(same_length, length, sets, intern):
+            product = tuple(tuple(sorted(sets[s], key=_order)) for s in merged)
+            if max_parts is None:
+                patterns.append(Pattern(product))
+            else:
+                patterns.extend(_split(product, max_parts))
+    return sorted(patterns, key=_rank)
+
+
+def _split(segments: tuple[tuple[str, ...], ...], max_parts: int) -> list[Pattern]:
+    """The pattern, split into disjoint patterns with at most ``max_parts`` parts per group."""
+    choices: list[list[tuple[str, ...]]] = []
+    for alternatives in segments:
+        parts = _parts(alternatives)
+        if len(parts) <= max_parts:
+            choices.append([alternatives])
+        else:
+            choices.append(
+                [
+                    tuple(a for _, run in parts[i : i + max_parts] for a in run)
+                    for i in range(0, len(parts), max_parts)
+                ]
+            )
+    return [Pattern(product) for product in itertools.product(*choices)]
+
+
+def _merge_boxes(
+    boxes: list[tuple[int, ...]],
+    length: int,
+    sets: list[frozenset[str]],
+    intern: Callable[[frozenset[str]], int],
+) -> list[tuple[int, ...]]:
+    """Merge boxes equal in all positions but one, last position first, cyclically.
+
+    Boxes are disjoint products of alternative sets (by interned id), already
+    through one cycle of merges that ended at position 0. Merging boxes that
+    agree everywhere but at ``p`` unions their (disjoint) sets at ``p``: the
+    product of the result is exactly the union of their products. Stops when
+    a whole cycle of positions merges nothing. Which boxes merge depends only
+    on the set of boxes, never on their order.
+    """
+    unchanged = 1  # consecutive positions that merged nothing (position 0 just did)
+    p = length - 1
+    while unchanged < length and len(boxes) > 1:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for box in boxes:
+            groups.setdefault(box[:p] + box[p + 1 :], []).append(box[p])
+        if len(groups) == len(boxes):
+            unchanged += 1
+        else:
+            unchanged = 1
+            merged: list[tuple[int, ...]] = []
+            for rest, sids in groups.items():
+                if len(sids) > 1:
+                    sid = intern(frozenset().union(*(sets[s] for s in sids)))
+                else:
+                    sid = sids[0]
+                merged.append((*rest[:p], sid, *rest[p:]))
+            boxes = merged
+        p = p - 1 if p > 0 else length - 1
+    return boxes
+
+
+def _rank(pattern: Pattern) -> tuple[int, str]:
+    return (-pattern.count, str(pattern))
+
+
+def parse_pattern(text: str, /) -> Pattern:
+    """Read a pattern text back into a :class:`Pattern` (the inverse of ``str``).
+
+    Args:
+        text: A pattern such as ``layers.{0..3,5}.{wk,wq}`` (see the module
+            docstring for the syntax and escapes).
+
+    Returns:
+        The pattern.
+
+    Raises:
+        PatternError: The text is not a valid pattern.
+
+    Example:
+        >>> from dsdmerge.report import parse_pattern
+        >>> sorted(parse_pattern("a.{0..2,x}").keys())
+        ['a.0', 'a.1', 'a.2', 'a.x']
+    """
+    segments: list[tuple[str, ...]] = []
+    i, n = 0, len(text)
+    while True:
+        if i < n and text[i] == "{":
+            alternatives, i = _parse_group(text, i + 1)
+            if i < n and text[i] != ".":
+                raise PatternError(
+                    f"pattern {text!r}: expected '.' or the end after '}}' at {i}; "
+                    "a brace group must be a whole segment"
+                )
+        else:
+            literal, i = _parse_literal(text, i, stops=".")
+            alternatives = [literal]
+        segments.append(tuple(sorted(set(alternatives), key=_order)))
+        if i >= n:
+            return Pattern(tuple(segments))
+        i += 1  # the dot
+
+
+def _parse_literal(text: str, i: int, *, stops: str) -> tuple[str, int]:
+    out: list[str] = []
+    n = len(text)
+    while i < n and text[i] not in stops:
+        ch = text[i]
+        if ch == "\\":
+            if i + 1 >= n:
+                raise PatternError(f"pattern {text!r}: a lone '\\' at the end")
+            out.append(text[i + 1])
+            i += 2
+            continue
+        if ch in "{}":
+            raise PatternError(f"pattern {text!r}: unescaped {ch!r} at {i}; write '\\{ch}'")
+        out.append(ch)
+        i += 1
+    return "".join(out), i
+
+
+def _parse_group(text: str, i: int) -> tuple[list[str], int]:
+    alternatives: list[str] = []
+    n = len(text)
+    while True:
+        start = i
+        item, i = _parse_literal(text, i, stops=",}.")
+        if i < n and text[i] == "." and text[start:i] == item and _is_decimal(item):
+            # a range m..n
+            if not text.startswith("..", i):
+                raise PatternError(f"pattern {text!r}: expected '..' at {i}")
+            end, i = _parse_literal(text, i + 2, stops=",}.")
+            if not _is_decimal(end) or int(end) < int(item):
+                raise PatternError(
+                    f"pattern {text!r}: bad range {item}..{end}; write m..n with plain "
+                    "decimals and m <= n"
+                )
+            alternatives.extend(str(k) for k in range(int(item), int(end) + 1))
+        elif i < n and text[i] == ".":
+            raise PatternError(f"pattern {text!r}: unexpected '.' in a brace group at {i}")
+        else:
+            alternatives.append(item)
+        if i >= n:
+            raise PatternError(f"pattern {text!r}: unclosed '{{'")
+        if text[i] == "}":
+            return alternatives, i + 1
+        i += 1  # the comma
+
+
+def expand(pattern: Pattern | str, /) -> set[str]:
+    """Exactly the keys a pattern (or a pattern text) stands for.
+
+    Args:
+        pattern: A :class:`Pattern`, or its text.
+
+    Returns:
+        The set of keys.
+
+    Raises:
+        PatternError: ``pattern`` is a text that does not parse.
+
+    Example:
+        >>> from dsdmerge.report import compress, expand
+        >>> keys = {"layers.0.experts.1", "layers.1.experts.0", "head.w"}
+        >>> set().union(*map(expand, compress(keys))) == keys
+        True
+        >>> sorted(expand("layers.{0,1}.w"))
+        ['layers.0.w', 'layers.1.w']
+    """
+    if isinstance(pattern, str):
+        pattern = parse_pattern(pattern)
+    return pattern.keys()
+
+
+# -- text ----------------------------------------------------------------------
+
+
+def _quote(text: str) -> str:
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _rest(patterns: Sequence[Pattern], limit: int) -> str:
+    """``"12 more keys in 3 patterns"`` for the patterns past ``limit``; ``""`` if none."""
+    rest = patterns[limit:]
+    if not rest:
+        return ""
+    n = sum(p.count for p in rest)
+    return f"{_plural(n, 'more key')} in {_plural(len(rest), 'pattern')}"
+
+
+def format_keys(keys: Iterable[str], /, *, limit: int = _SHOWN) -> str:
+    """The keys as compressed patterns on one line: the ``limit`` largest and a count of the rest.
+
+    Each pattern is quoted and followed by its key count when it stands for
+    more than one key. Deterministic; does not modify its input.
 
     Example:
         >>> from dsdmerge.report import format_keys
-        >>> format_keys(["b", "a", "c"], limit=2)
-        "'a', 'b' and 1 more"
+        >>> format_keys(["b", "a.0", "a.1", "a.2", "c.x"], limit=2)
+        "'a.{0..2}' (3 keys), 'b' and 1 more key in 1 pattern"
     """
-    ordered = sorted(keys)
-    shown = ", ".join(repr(k) for k in ordered[:limit])
-    rest = len(ordered) - limit
-    return f"{shown} and {rest} more" if rest > 0 else shown
+    patterns = compress(keys, max_parts=_PARTS)
+    shown = ", ".join(_pattern_text(p) for p in patterns[:limit])
+    rest = _rest(patterns, limit)
+    return f"{shown} and {rest}" if rest else shown
+
+
+def _pattern_text(p: Pattern) -> str:
+    return _quote(str(p)) + (f" ({p.count:,} keys)" if p.count > 1 else "")
 
 
 def _meta(meta: TensorMeta) -> str:
@@ -39,10 +447,21 @@ def _meta(meta: TensorMeta) -> str:
     return f"{dtype_name(meta.dtype)}{list(meta.shape)}"
 
 
-def format_mismatches(items: Sequence[Mismatch], /, *, limit: int = _SHOWN) -> str:
-    """``'key' (checkpoint float32[2, 3], reference float32[4, 3])`` for each, sorted by key.
+def _mismatch_groups(items: Iterable[Mismatch]) -> list[tuple[Pattern, str, str]]:
+    """Mismatches grouped by (checkpoint, reference) metadata, keys compressed per group."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for m in items:
+        groups.setdefault((_meta(m.checkpoint), _meta(m.reference)), []).append(m.key)
+    out = [(p, c, r) for (c, r), keys in groups.items() for p in compress(keys, max_parts=_PARTS)]
+    out.sort(key=lambda item: (*_rank(item[0]), item[1], item[2]))
+    return out
 
-    Does not modify its input.
+
+def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> str:
+    """``'key' (checkpoint float32[2, 3], reference float32[4, 3])`` per pattern, on one line.
+
+    Keys with the same pair of shapes and dtypes are compressed into patterns;
+    the ``limit`` largest are shown. Does not modify its input.
 
     Example:
         >>> import torch, dsdmerge as dm
@@ -50,47 +469,150 @@ def format_mismatches(items: Sequence[Mismatch], /, *, limit: int = _SHOWN) -> s
         >>> format_mismatches(dm.diff({"w": torch.zeros(2)}, {"w": torch.zeros(3)}).mismatched)
         "'w' (checkpoint float32[2], reference float32[3])"
     """
-    ordered = sorted(items, key=lambda m: m.key)
+    groups = _mismatch_groups(items)
     shown = ", ".join(
-        f"{m.key!r} (checkpoint {_meta(m.checkpoint)}, reference {_meta(m.reference)})"
-        for m in ordered[:limit]
+        f"{_quote(str(p))} ({f'{p.count:,} keys, ' if p.count > 1 else ''}"
+        f"checkpoint {c}, reference {r})"
+        for p, c, r in groups[:limit]
     )
-    rest = len(ordered) - limit
-    return f"{shown} and {rest} more" if rest > 0 else shown
+    rest = _rest([p for p, _, _ in groups], limit)
+    return f"{shown} and {rest}" if rest else shown
 
 
-def render(diff: KeyDiff, /, *, limit: int = _SHOWN) -> str:
-    """A readable multi-line report of a :class:`~dsdmerge.KeyDiff`.
+_MISSING = "missing from the checkpoint (will be taken from the reference)"
+_UNEXPECTED = "unexpected in the checkpoint (not in the reference)"
+_MISMATCHED = "in both with a different shape or dtype"
 
-    Does not modify its input.
+_COLORS = {"missing": "33", "unexpected": "36", "mismatched": "31", "dim": "2", "bold": "1"}
+
+
+def _paint(text: str, what: str, color: bool) -> str:
+    return f"\x1b[{_COLORS[what]}m{text}\x1b[0m" if color else text
+
+
+def render(
+    diff: KeyDiff, /, *, limit: int = _SHOWN, table: bool = False, color: bool = False
+) -> str:
+    """A readable multi-line report of a :class:`~dsdmerge.KeyDiff`, keys compressed.
+
+    One section per kind of difference, each listing the ``limit`` largest
+    patterns (exact: see :func:`compress`) and how many keys and patterns are
+    not shown. Mismatches are grouped by their pair of shapes and dtypes and
+    show both sides. Deterministic; does not modify its input.
+
+    Args:
+        diff: The diff to report.
+        limit: Patterns shown per section.
+        table: Put key counts in an aligned left column (for terminals) rather
+            than after each pattern.
+        color: Add ANSI colours (for terminals).
+
+    Returns:
+        The report, without a trailing newline; ``"no differences"`` for an
+        empty diff.
 
     Example:
         >>> import dsdmerge as dm
-        >>> print(dm.KeyDiff(missing=("a",)))
-        1 key missing from the checkpoint (will be taken from the reference):
-          a
+        >>> print(dm.KeyDiff(missing=("a.0", "a.1", "a.2", "b")))
+        4 keys missing from the checkpoint (will be taken from the reference):
+          a.{0..2}  (3 keys)
+          b
     """
     if not diff:
         return "no differences"
     lines: list[str] = []
-    sections = (
-        (diff.missing, "missing from the checkpoint (will be taken from the reference)"),
-        (diff.unexpected, "unexpected in the checkpoint (not in the reference)"),
-    )
-    for keys, what in sections:
+    for name, keys, what in (
+        ("missing", diff.missing, _MISSING),
+        ("unexpected", diff.unexpected, _UNEXPECTED),
+    ):
         if keys:
-            lines.append(f"{len(keys)} key{'s' if len(keys) != 1 else ''} {what}:")
-            ordered = sorted(keys)
-            lines.extend(f"  {k}" for k in ordered[:limit])
-            if len(ordered) > limit:
-                lines.append(f"  ... and {len(ordered) - limit} more")
+            lines.append(_paint(f"{_plural(len(keys), 'key')} {what}:", name, color))
+            patterns = compress(keys, max_parts=_PARTS)
+            lines.extend(render_patterns(patterns, limit=limit, table=table, color=color))
     if diff.mismatched:
         n = len(diff.mismatched)
-        lines.append(f"{n} tensor{'s' if n != 1 else ''} with a different shape or dtype:")
-        for m in sorted(diff.mismatched, key=lambda m: m.key)[:limit]:
-            lines.append(
-                f"  {m.key}: checkpoint {_meta(m.checkpoint)}, reference {_meta(m.reference)}"
-            )
-        if n > limit:
-            lines.append(f"  ... and {n - limit} more")
+        lines.append(_paint(f"{_plural(n, 'tensor')} {_MISMATCHED}:", "mismatched", color))
+        groups = _mismatch_groups(diff.mismatched)
+        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        lines.extend(_rows(rows, table, color))
+        if len(groups) > limit:
+            rest = _rest([p for p, _, _ in groups], limit)
+            lines.append("  " + _paint(f"... and {rest}", "dim", color))
     return "\n".join(lines)
+
+
+def render_patterns(
+    patterns: Sequence[Pattern], /, *, limit: int = _SHOWN, table: bool = False, color: bool = False
+) -> list[str]:
+    r"""The lines listing the first ``limit`` patterns, indented, and a count of the rest.
+
+    Args:
+        patterns: Patterns, as :func:`compress` returns them (largest first).
+        limit: How many to show.
+        table: Key counts in an aligned left column rather than after each pattern.
+        color: Add ANSI colours.
+
+    Returns:
+        One line per shown pattern, plus ``"  ... and M more keys in K patterns"``
+        when some are not shown.
+
+    Example:
+        >>> from dsdmerge.report import compress, render_patterns
+        >>> print("\n".join(render_patterns(compress(["a.0", "a.1", "a.2", "b", "c.d"]), limit=2)))
+          a.{0..2}  (3 keys)
+          b
+          ... and 1 more key in 1 pattern
+    """
+    lines = _rows([(p.count, str(p)) for p in patterns[:limit]], table, color)
+    if len(patterns) > limit:
+        lines.append("  " + _paint(f"... and {_rest(patterns, limit)}", "dim", color))
+    return lines
+
+
+def _rows(rows: Sequence[tuple[int, str]], table: bool, color: bool) -> list[str]:
+    if not rows:
+        return []
+    if table:
+        width = max(len(f"{n:,}") for n, _ in rows)
+        return [f"  {_paint(f'{n:>{width},}', 'dim', color)}  {text}" for n, text in rows]
+    return [
+        f"  {text}" + (_paint(f"  ({n:,} keys)", "dim", color) if n > 1 else "") for n, text in rows
+    ]
+
+
+def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
+    """A JSON-ready, compressed form of a diff: counts and patterns per section.
+
+    Args:
+        diff: The diff.
+        limit: At most this many patterns per section (``None``: all of them);
+            ``"patterns_not_shown"`` says how many were left out.
+
+    Returns:
+        ``{"missing": {"count": n, "patterns": [{"pattern": ..., "count": ...}],
+        "patterns_not_shown": k}, "unexpected": {...}, "mismatched": {...}}``;
+        mismatched patterns also carry ``"checkpoint"`` and ``"reference"``.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> from dsdmerge.report import summary
+        >>> summary(dm.KeyDiff(missing=("a.0", "a.1")))["missing"]
+        {'count': 2, 'patterns': [{'pattern': 'a.{0,1}', 'count': 2}], 'patterns_not_shown': 0}
+    """
+    out: dict[str, Any] = {}
+    for name, keys in (("missing", diff.missing), ("unexpected", diff.unexpected)):
+        patterns = compress(keys, max_parts=_PARTS)
+        shown = patterns if limit is None else patterns[:limit]
+        out[name] = {
+            "count": len(keys),
+            "patterns": [p.to_dict() for p in shown],
+            "patterns_not_shown": len(patterns) - len(shown),
+        }
+    groups = _mismatch_groups(diff.mismatched)
+    shown_groups = groups if limit is None else groups[:limit]
+    out["mismatched"] = {
+        "count": len(diff.mismatched),
+        "patterns": [{**p.to_dict(), "checkpoint": c, "reference": r} for p, c, r in shown_groups],
+        "patterns_not_shown": len(groups) - len(shown_groups),
+    }
+    return out
