@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsdmerge._values import MISSING, freeze, key_str, same_value
+from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -183,7 +183,9 @@ def _group_items(group: object, where: str) -> list[tuple[str, Any]]:
         if name == PARAMS:
             continue
         if type(name) is not str:
-            raise StateDictTypeError(f"{where}: hyperparameter name {name!r} is not a str")
+            raise StateDictTypeError(
+                f"{where}: hyperparameter name {short_repr(name)} is not a str"
+            )
         if isinstance(v, Mapping):
             raise LayoutError(
                 f"{where}[{name!r}] is a mapping; torch's flattened format holds one "
@@ -255,13 +257,14 @@ def require_flat(flat: object, what: str) -> Mapping[str, Any]:
     if classify(mapping) is not Layout.FLAT:
         nested = next(k for k, v in mapping.items() if isinstance(v, Mapping))
         raise LayoutError(
-            f"{what} must be a flat state dict, but {nested!r} holds a mapping; "
+            f"{what} must be a flat state dict, but {short_repr(nested)} holds a mapping; "
             "flatten it first with dsdmerge.flatten()."
         )
     if set(map(type, mapping)) - {str}:
         bad = next(k for k in mapping if type(k) is not str)
         raise StateDictTypeError(
-            f"{what}: flat state dict keys must be str, got {bad!r} ({type(bad).__name__})"
+            f"{what}: flat state dict keys must be str, got {short_repr(bad)} "
+            f"({type(bad).__name__})"
         )
     return mapping
 
@@ -449,8 +452,9 @@ class _Unflattener:
                     elif not same_value(v, value):
                         raise LayoutError(
                             f"cannot unflatten: members of {where} disagree on {name!r} "
-                            f"({group_prefix}{spelled}.{name} is {v!r}, an earlier member has "
-                            f"{value!r}); a nested param group holds one value per hyperparameter."
+                            f"({group_prefix}{spelled}.{name} is {short_repr(v)}, an earlier "
+                            f"member has {short_repr(value)}); a nested param group holds one "
+                            "value per hyperparameter."
                         )
                 if value is not MISSING:
                     group[name] = value
@@ -508,7 +512,8 @@ class _Unflattener:
                 return False
             if name in group and not same_value(group[name], value):
                 raise LayoutError(
-                    f"cannot unflatten: {key!r} is {value!r} but its group holds {group[name]!r}"
+                    f"cannot unflatten: {key!r} is {short_repr(value)} but its group holds "
+                    f"{short_repr(group[name])}"
                 )
             group[name] = value
             return True

@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 
 __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
@@ -127,11 +128,21 @@ def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
     ]
     if not sections:
         return
+    where = f" at {path!r}" if path else ""
+    if len(sections) == 2 and len(sd) > 2:
+        extra = [short_repr(k) for k in sd if k != STATE and k != PARAM_GROUPS]
+        shown = ", ".join(extra[:5])
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise LayoutError(
+            f"optimizer state dict{where} has keys besides 'state' and 'param_groups': "
+            f"{shown}{more}. torch's optimizer state dicts hold only those two (its flattened "
+            "format has no place for others, and Optimizer.load_state_dict ignores them), so "
+            "they would be lost; move them out of the optimizer state dict."
+        )
     flat_keys = sorted(
         k for k in sd if type(k) is str and (k.startswith(STATE_PREFIX) or k.startswith(PG_PREFIX))
     )
     if flat_keys:
-        where = f" at {path!r}" if path else ""
         shown = ", ".join(repr(k) for k in flat_keys[:5])
         more = f" and {len(flat_keys) - 5} more" if len(flat_keys) > 5 else ""
         raise LayoutError(

@@ -1,0 +1,175 @@
+"""Bad input never escapes: a DSDMergeError naming the problem, or success; never a mutated input.
+
+The property tests draw hostile structures from ``hostile.py``; the regression
+tests below pin each escape the fuzzing found, with the input that found it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import dsdmerge as dm
+from dsdmerge._values import freeze, same_value, short_repr
+
+
+def deep_tuple(depth: int) -> tuple:
+    out: tuple = ()
+    for _ in range(depth):
+        out = (out,)
+    return out
+
+
+def cyclic_list() -> list:
+    out: list = [1]
+    out.append(out)
+    return out
+
+
+def osd(groups, state=None):
+    return {"state": {} if state is None else state, "param_groups": groups}
+
+
+# -- regressions: each escape the fuzzing found ----------------------------------------
+
+
+@pytest.mark.parametrize("pid", [["w"], {}, {"w": 1}])
+@pytest.mark.parametrize("side", ["checkpoint", "reference", "both"])
+def test_unhashable_param_id_in_a_nested_merge_is_a_state_dict_type_error(pid, side):
+    # was: TypeError: unhashable type: 'list' from the group index in _engine._groups
+    bad = osd([{"lr": 1, "params": [pid]}])
+    good = osd([{"lr": 1, "params": ["w"]}])
+    c, r = {"checkpoint": (bad, good), "reference": (good, bad), "both": (bad, bad)}[side]
+    for call in (dm.merge, dm.diff, dm.check):
+        with pytest.raises(dm.StateDictTypeError, match=r"param_groups\[0\].*state dict keys must"):
+            call(c, r)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [cyclic_list(), deep_tuple(10_000), [cyclic_list(), cyclic_list()]],
+    ids=["cyclic-list", "10k-deep-tuple", "two-cycles"],
+)
+def test_deep_or_cyclic_hyperparameters_group_by_identity(value):
+    # was: RecursionError from freeze() while inferring groups of a flat merge / unflatten
+    ref = {"param_groups.a.lr": value, "param_groups.b.lr": value, "param_groups.c.lr": 0.1}
+    out = dm.merge({"param_groups.a.lr": 0.5}, ref)
+    assert out["param_groups.b.lr"] == 0.5  # b is in a's group (the same object)
+    assert out["param_groups.c.lr"] == 0.1
+    nested = dm.unflatten(ref)
+    assert [g["params"] for g in nested["param_groups"]] == [["a", "b"], ["c"]]
+
+
+def test_freeze_costs_bounded_work_on_shared_substructure():
+    # 2**60 paths through 60 shared lists: freeze must not walk them all (nor hash them)
+    x: list = []
+    for _ in range(60):
+        x = [x, x]
+    assert freeze(x) == ("id", id(x))
+    assert same_value(x, x)
+    assert same_value([(0.9, 0.99), None], [(0.9, 0.99), None])
+    assert same_value(math.nan, math.nan)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(3).to_sparse(),
+        lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8),
+        lambda: torch.nn.Parameter(torch.zeros(2)),
+    ],
+    ids=["sparse", "quantized", "parameter"],
+)
+def test_tensor_hyperparameters_that_cannot_be_read_compare_by_identity(make):
+    # was: RuntimeError ("Cannot access data pointer", "load_scalar: invalid type") from freeze()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        t = make()
+    flat = {"param_groups.a.lr": t, "param_groups.b.lr": t}
+    assert dm.unflatten(flat)["param_groups"][0]["params"] == ["a", "b"]
+    assert dm.merge({"param_groups.a.lr": 1.0}, flat)["param_groups.b.lr"] == 1.0
+    assert freeze(t) == ("id", id(t))
+
+
+def test_error_messages_repr_hostile_keys_and_values_boundedly():
+    # was: RecursionError while formatting the error message for a 10k-deep tuple key
+    key = deep_tuple(10_000)
+    with pytest.raises(dm.StateDictTypeError, match=r"key \(\(\(\(\.\.\.\),\),\),\) at the top"):
+        dm.flatten({key: 1})
+    with pytest.raises(dm.InvalidPolicyError, match="unknown policy"):
+        dm.merge({}, {}, policy=key)  # type: ignore[arg-type]
+    with pytest.raises(dm.InvalidPolicyError, match=r"Policy\.missing must be one of"):
+        dm.Policy(missing=key)  # type: ignore[arg-type]
+    assert len(short_repr("x" * 10**6)) < 200
+    assert short_repr(cyclic_list()) == "[1, [1, [1, [...]]]]"
+
+    class Hostile:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr for you")
+
+    assert short_repr(Hostile()) == "<Hostile object>"
+
+
+def test_conflicting_deep_hyperparameters_are_reported_not_crashed_on():
+    # a conflict line (warn policy) formats both values: bounded repr, no RecursionError
+    ref = {"param_groups.a.lr": 0.1, "param_groups.b.lr": 0.1}
+    ckpt = {"param_groups.a.lr": deep_tuple(5000), "param_groups.b.lr": 0.2}
+    with pytest.warns(dm.DSDMergeWarning, match=r"disagree on 'lr'.*\(\(\(\(\.\.\.\)"):
+        dm.merge(ckpt, ref, policy="warn")
+
+
+def test_cyclic_reference_subtree_to_backfill_raises_instead_of_looping_forever():
+    # was: copy_tree() followed the cycle forever, eating memory, before the cycle check ran
+    cyc: dict = {}
+    cyc["self"] = cyc
+    for call in (dm.merge, dm.diff):
+        with pytest.raises(dm.LayoutError, match=r"cycle: the mapping at 'm\.x\.self'"):
+            call({"m": {}}, {"m": {"x": cyc}})
+    with pytest.raises(dm.LayoutError, match="cycle"):  # the same inside optimizer state
+        dm.merge(osd([{"lr": 1, "params": ["w"]}]), osd([{"lr": 1, "params": ["w"]}], {"w": cyc}))
+
+
+@pytest.mark.parametrize(
+    "extra", [{"extra": 1}, {"epoch": {"n": 3}}, {None: 2}], ids=["leaf", "mapping", "none-key"]
+)
+def test_optimizer_state_dicts_with_other_keys_are_refused_not_silently_dropped(extra):
+    # was: flatten() returned {} for {"state": {}, "param_groups": [], "extra": 1} and merge()
+    # dropped "extra" from its result; torch's formats have no place for such keys
+    bad = {"state": {}, "param_groups": [], **extra}
+    good = osd([])
+    name = short_repr(next(iter(extra)))
+    for call in (
+        dm.flatten,
+        dm.classify,
+        lambda x: dm.merge(x, good),
+        lambda x: dm.merge(good, x),
+        lambda x: dm.diff(x, {}),
+        lambda x: dm.unflatten({}, like=x),
+        lambda x: dm.merge({"optim": x}, {"optim": good}),
+    ):
+        with pytest.raises(dm.LayoutError, match=rf"besides 'state' and 'param_groups': {name}"):
+            call(bad)
+
+
+def test_many_empty_param_groups_merge_in_linear_time():
+    # was: each empty reference group rescanned every checkpoint group: O(groups**2), so
+    # 10**5 empty groups took hours. This test would time out CI if it came back.
+    n = 100_000
+    c = osd([{"lr": 1.0, "params": []} for _ in range(n)])
+    r = osd([{"lr": 2.0, "params": []} for _ in range(n)])
+    out = dm.merge(c, r)
+    assert len(out["param_groups"]) == n
+    assert all(g["lr"] == 1.0 for g in out["param_groups"])
+
+
+def test_backfilling_a_large_all_new_group_is_linear():
+    # was: each backfilled param_groups key rescanned its whole (inferred) group: O(members**2)
+    n = 200_000
+    ref = {f"param_groups.p{i}.lr": 1e-3 for i in range(n)}
+    ref.update({f"param_groups.p{i}.eps": 1e-8 for i in range(n)})
+    out = dm.merge({f"param_groups.p{n - 1}.lr": 5e-5, f"param_groups.p{n - 1}.eps": 1e-8}, ref)
+    assert len(out) == 2 * n
+    assert out["param_groups.p0.lr"] == 5e-5  # the checkpoint's value for the group
