@@ -110,7 +110,7 @@ def test_error_messages_repr_hostile_keys_and_values_boundedly():
         def __repr__(self) -> str:
             raise RuntimeError("no repr for you")
 
-    assert short_repr(Hostile()) == "<Hostile object>"
+    assert short_repr(Hostile()).startswith("<Hostile ")
 
 
 def test_conflicting_deep_hyperparameters_are_reported_not_crashed_on():
