@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
+from typing import Any
 
 import pytest
 import torch
+from calls import CALLS
+from hostile import DeepSnapshot, expected_flat_leaves, hostile_pairs, hostile_state_dicts
+from hypothesis import given
 
 import dsdmerge as dm
 from dsdmerge._values import freeze, same_value, short_repr
@@ -31,6 +36,83 @@ def cyclic_list() -> list:
 
 def osd(groups, state=None):
     return {"state": {} if state is None else state, "param_groups": groups}
+
+
+# -- properties ------------------------------------------------------------------------
+
+KEEP = dm.Policy(shape="ignore")  # merge everything that can be merged, keep unexpected keys
+
+
+def escapes(a: Any, b: Any) -> list[str]:
+    """Call every public function on (a, b); return what went wrong (empty when nothing did)."""
+    problems = []
+    snapshots = DeepSnapshot(a), DeepSnapshot(b)
+    for name, call in CALLS.items():
+        try:
+            call(a, b)
+        except dm.DSDMergeError as err:
+            if len(str(err)) < 20:
+                problems.append(
+                    f"{name}: {type(err).__name__} with a message naming nothing: {err}"
+                )
+        except Exception as err:  # noqa: BLE001 - exactly what this test looks for
+            problems.append(f"{name}: {type(err).__name__} escaped: {short_repr(err)}")
+    if not all(s.unchanged() for s in snapshots):
+        problems.append("an input was mutated")
+    return problems
+
+
+def _or_none(fn: Any) -> Any:
+    try:
+        return fn()
+    except dm.DSDMergeError:
+        return None
+
+
+def losses(a: Any, b: Any) -> list[str]:
+    """Where calls on (a, b) succeed, check that they lost nothing; return what was lost."""
+    problems = []
+    flat_a = _or_none(lambda: dm.flatten(a))
+    if flat_a is not None:
+        got, want = Counter(map(id, flat_a.values())), Counter(map(id, expected_flat_leaves(a)))
+        if got != want:
+            problems.append(
+                f"flatten(a) has {sum(got.values())} leaves, a has {sum(want.values())}"
+            )
+        back = _or_none(lambda: dm.flatten(dm.unflatten(flat_a, like=a)))
+        if back is None or back.keys() != flat_a.keys():
+            problems.append("unflatten(flatten(a), like=a) does not give back flatten(a)'s keys")
+        elif any(back[k] is not v for k, v in flat_a.items()):
+            problems.append("unflatten(flatten(a), like=a) does not give back flatten(a)'s values")
+    merged = _or_none(lambda: dm.merge_with_diff(a, b, policy=KEEP))
+    flat_b = _or_none(lambda: dm.flatten(b))
+    if merged is not None and flat_a is not None and flat_b is not None:
+        flat_m = _or_none(lambda: dm.flatten(merged.state_dict))
+        if flat_m is not None:
+            if flat_m.keys() != flat_a.keys() | flat_b.keys():
+                problems.append("merge's keys are not the union of both sides' keys")
+            taken = {m.key for m in merged.diff.mismatched if m.shape_differs}
+            if any(flat_m[k] is not v for k, v in flat_a.items() if k not in taken):
+                problems.append("merge did not keep a checkpoint value by identity")
+    return problems
+
+
+@given(hostile_pairs())
+def test_bad_input_never_escapes(pair):
+    a, b = pair
+    assert escapes(a, b) == []
+
+
+@given(hostile_pairs())
+def test_what_succeeds_on_bad_input_loses_nothing(pair):
+    a, b = pair
+    assert losses(a, b) == []
+
+
+@given(hostile_state_dicts)
+def test_a_hostile_state_dict_against_itself(a):
+    assert escapes(a, a) == []
+    assert losses(a, a) == []
 
 
 # -- regressions: each escape the fuzzing found ----------------------------------------
