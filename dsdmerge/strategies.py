@@ -34,6 +34,7 @@ optimizer kind and dtype in your lists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -208,35 +209,48 @@ def _tensor(
 _small_shapes = st.lists(st.integers(1, 3), max_size=2).map(tuple)
 
 
-@st.composite
+@functools.cache
+def _ints(low: int, high: int) -> st.SearchStrategy[int]:
+    """``st.integers(low, high)``, built (and validated by hypothesis) once."""
+    return st.integers(low, high)
+
+
+@functools.cache
+def _choice(options: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    """``st.sampled_from(options)``, built once."""
+    return st.sampled_from(options)
+
+
+_bools = st.booleans()
+_FRESH_LRS = (1e-3, 5e-4, 5e-5)
+_TRAINED_LRS = (5e-4, 5e-5, 1e-5)
+
+
+@functools.cache
 def _params(
-    draw: st.DrawFn,
-    config: _Config,
-    min_params: int,
-    max_params: int,
-    min_groups: int,
-    max_groups: int,
-) -> _Params:
+    config: _Config, min_params: int, max_params: int, min_groups: int, max_groups: int
+) -> st.SearchStrategy[_Params]:
+    """Parameters with unique fqns, shapes, dtypes and groups; built once per arguments."""
     # enough layers that unique fqns are easy to draw (about 20 per layer)
     layers = max(3, math.ceil(3 * max_params / 20))
-    names = draw(
-        st.lists(fqns(max_layers=layers), min_size=min_params, max_size=max_params, unique=True)
-    )
-    n_groups = draw(st.integers(min_groups, max(min_groups, min(max_groups, len(names)))))
-    shape = (
-        st.one_of(
-            _small_shapes.map(lambda s: (s, False)),
-            st.sampled_from(_BIG_SHAPES).map(lambda s: (s, True)),
-        )
-        if config.allow_meta
-        else _small_shapes.map(lambda s: (s, False))
-    )
-    out = []
-    for i, name in enumerate(names):
-        group = i if i < n_groups else draw(st.integers(0, n_groups - 1))
-        (dims, meta), dtype = draw(shape), draw(st.sampled_from(config.dtypes))
-        out.append(_Param(name, dims, dtype, group, meta))
-    return _Params(tuple(sorted(out, key=lambda p: p.group)), n_groups)
+    names = st.lists(fqns(max_layers=layers), min_size=min_params, max_size=max_params, unique=True)
+    small = _small_shapes.map(lambda s: (s, False))
+    big = st.sampled_from(_BIG_SHAPES).map(lambda s: (s, True))
+    shapes = st.one_of(small, big) if config.allow_meta else small
+    dtypes = st.sampled_from(config.dtypes)
+
+    @st.composite
+    def build(draw: st.DrawFn) -> _Params:
+        fqns_ = draw(names)
+        n_groups = draw(_ints(min_groups, max(min_groups, min(max_groups, len(fqns_)))))
+        out = []
+        for i, name in enumerate(fqns_):
+            group = i if i < n_groups else draw(_ints(0, n_groups - 1))
+            (dims, meta), dtype = draw(shapes), draw(dtypes)
+            out.append(_Param(name, dims, dtype, group, meta))
+        return _Params(tuple(sorted(out, key=lambda p: p.group)), n_groups)
+
+    return build()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,18 +468,18 @@ def _optimizers(
     max_groups: int,
     params: _Params | None = None,
 ) -> dict[Any, Any]:
-    kind = draw(st.sampled_from(kinds))
+    kind = draw(_choice(kinds))
     if params is None:
         params = draw(_params(config, min_params, max_params, min_groups, max_groups))
-    stateful = {p.fqn for p in params.params if draw(st.booleans())}
+    stateful = {p.fqn for p in params.params if draw(_bools)}
     return _optimizer_dict(
         kind,
         draw(_hypers),
         params.params,
         params.n_groups,
         stateful=stateful,
-        step=draw(st.integers(1, 9)),
-        lrs=[draw(st.sampled_from((1e-3, 5e-4, 5e-5))) for _ in range(params.n_groups)],
+        step=draw(_ints(1, 9)),
+        lrs=[draw(_choice(_FRESH_LRS)) for _ in range(params.n_groups)],
         keyed=keyed,
     )
 
@@ -485,7 +499,7 @@ def _checkpoints(
     return {
         "model": _model_dict(params.params),
         "optim": optim,
-        "step": draw(st.integers(0, 10**6)),
+        "step": draw(_ints(0, 10**6)),
     }
 
 
@@ -709,12 +723,12 @@ def _pairs(
     unexpected: tuple[int, int],
     mismatched: tuple[int, int],
 ) -> tuple[dict[Any, Any], dict[Any, Any]]:
-    opt_kind = draw(st.sampled_from(kinds))
+    opt_kind = draw(_choice(kinds))
     stateless = kind == "optimizer" and opt_kind not in _STATEFUL
     # Id-keyed stateless optimizers have no way to miss anything; no kind of SGD can mismatch.
-    n_missing = draw(st.integers(missing[0], 0 if stateless and keyed == "id" else missing[1]))
-    n_unexpected = draw(st.integers(*unexpected))
-    n_mismatched = draw(st.integers(mismatched[0], 0 if stateless else mismatched[1]))
+    n_missing = draw(_ints(missing[0], 0 if stateless and keyed == "id" else missing[1]))
+    n_unexpected = draw(_ints(*unexpected))
+    n_mismatched = draw(_ints(mismatched[0], 0 if stateless else mismatched[1]))
     n_changed = n_missing + n_unexpected
     low = max(params[0], n_mismatched) + n_changed
     universe = draw(_params(config, low, max(low, params[1] + n_changed), *groups))
@@ -726,7 +740,7 @@ def _pairs(
     for name in missed:
         if kind == "model" or stateless:
             new_params.add(name)  # nothing to miss but the whole parameter
-        elif keyed == "id" or draw(st.booleans()):
+        elif keyed == "id" or draw(_bools):
             no_grad.add(name)  # in the optimizer, but without state
         else:
             new_params.add(name)
@@ -735,7 +749,7 @@ def _pairs(
     by_fqn = {p.fqn: p for p in universe.params}
     for name in shared[:n_mismatched]:
         p = by_fqn[name]
-        if draw(st.booleans()):
+        if draw(_bools):
             overrides[name] = ((*p.shape, 2), p.dtype)
         else:
             overrides[name] = (
@@ -762,15 +776,15 @@ def _pairs(
         lrs=[1e-3] * n_groups,
         keyed=keyed,
     )
-    old_torch = allow_new_hyperparameters and draw(st.booleans())
+    old_torch = allow_new_hyperparameters and draw(_bools)
     checkpoint = _optimizer_dict(
         opt_kind,
         hyper,
         ckpt_params,
         n_groups,
         stateful={p.fqn for p in ckpt_params if p.fqn not in no_grad},
-        step=draw(st.integers(2, 9)),
-        lrs=[draw(st.sampled_from((5e-4, 5e-5, 1e-5))) for _ in range(n_groups)],
+        step=draw(_ints(2, 9)),
+        lrs=[draw(_choice(_TRAINED_LRS)) for _ in range(n_groups)],
         keyed=keyed,
         overrides=overrides,
         lacking=_NEW_HYPERPARAMETERS[opt_kind] if old_torch else None,

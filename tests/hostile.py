@@ -14,6 +14,7 @@ valid structure, content from small sampled pools.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import reprlib
@@ -130,7 +131,7 @@ TENSOR_KINDS = (
 hostile_leaves: st.SearchStrategy[Any] = st.one_of(
     st.sampled_from([None, True, 0, -1, 1e-3, math.nan, math.inf, "x", "", b"bytes", 10**30]),
     st.sampled_from(TENSOR_KINDS).map(_tensor),
-    st.sampled_from([(), (0.9, 0.999), ("a", None), [], [1, 2]]),
+    st.sampled_from([(), (0.9, 0.999), ("a", None), [], [1, 2]]).map(copy.deepcopy),
     st.sampled_from([3, 1200]).map(_deep_tuple),  # past the recursion limit; 10,000 below
     st.sampled_from([3, 1200]).map(_deep_list),
     st.builds(_cyclic_list),
@@ -148,7 +149,7 @@ def _group(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     params = st.one_of(
         st.lists(hostile_keys, max_size=3),
         st.lists(hostile_keys, max_size=3).map(tuple),
-        st.sampled_from([[["w"]], [{}], "w", None, {"w": 1}, [[]]]),
+        st.sampled_from([[["w"]], [{}], "w", None, {"w": 1}, [[]]]).map(copy.deepcopy),
     )
     hyper = st.dictionaries(
         st.one_of(st.sampled_from(["lr", "betas", "eps"]), hostile_keys), children, max_size=3
@@ -206,7 +207,7 @@ hostile_mappings: st.SearchStrategy[Any] = st.one_of(
 
 non_mappings: st.SearchStrategy[Any] = st.sampled_from(
     [None, 0, "state", b"x", [("a", 1)], (), torch.zeros(1), math.nan]
-)
+).map(copy.deepcopy)  # fresh: mutated() edits what it draws
 
 
 # -- breaking valid state dicts ----------------------------------------------------------
@@ -282,20 +283,34 @@ hostile_state_dicts: st.SearchStrategy[Any] = st.one_of(
 )
 
 
+class Case:
+    """Drawn hostile values, with a bounded repr: hypothesis prints failing examples with
+    ``repr``, and the builtin one recurses without bound on 10,000-deep or cyclic values."""
+
+    def __init__(self, *values: Any) -> None:
+        self.values = values
+
+    def __repr__(self) -> str:
+        return f"Case({', '.join(map(_short.repr, self.values))})"
+
+
 @st.composite
-def hostile_pairs(draw: st.DrawFn) -> tuple[Any, Any]:
-    """(checkpoint, reference): a valid pair with one side broken, or two hostile values."""
+def hostile_pairs(draw: st.DrawFn) -> Case:
+    """Case(checkpoint, reference): a valid pair with one side broken, or two hostile values."""
     how = draw(st.sampled_from(["break_checkpoint", "break_reference", "both_hostile", "one"]))
     if how == "both_hostile":
-        return draw(hostile_state_dicts), draw(hostile_state_dicts)
+        return Case(draw(hostile_state_dicts), draw(hostile_state_dicts))
     layout = draw(st.sampled_from(["flat", "nested"]))
     ckpt, ref = draw(checkpoint_pairs(layout=layout, max_params=3))
     if how == "break_checkpoint":
-        return draw(mutated(st.just(ckpt))), ref
+        return Case(draw(mutated(st.just(ckpt))), ref)
     if how == "break_reference":
-        return ckpt, draw(mutated(st.just(ref)))
+        return Case(ckpt, draw(mutated(st.just(ref))))
     other = draw(hostile_state_dicts)
-    return (other, ref) if draw(st.booleans()) else (ckpt, other)
+    return Case(other, ref) if draw(st.booleans()) else Case(ckpt, other)
+
+
+hostile_cases: st.SearchStrategy[Case] = hostile_state_dicts.map(Case)
 
 
 # -- purity ------------------------------------------------------------------------------
