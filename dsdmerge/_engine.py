@@ -273,20 +273,26 @@ def _flat_keys(value: Any, key: str) -> list[str]:
 
 
 def copy_tree(value: Any) -> Any:
-    """New containers (mappings, param_groups lists, params lists), shared leaves."""
+    """New containers (mappings, optimizers' param_groups and params lists), shared leaves.
+
+    A ``param_groups`` list is a container only in an optimizer state dict; elsewhere
+    it is a leaf like any list, and shared.
+    """
     if not isinstance(value, Mapping):
         return value
     root: dict[Any, Any] = {}
-    stack: list[tuple[Any, dict[Any, Any]]] = [(iter(value.items()), root)]
+    stack: list[tuple[Any, dict[Any, Any], bool]] = [
+        (iter(value.items()), root, is_optimizer_state_dict(value))
+    ]
     while stack:
-        items, dest = stack[-1]
+        items, dest, optimizer = stack[-1]
         for k, v in items:
             if isinstance(v, Mapping):
                 child: dict[Any, Any] = {}
                 dest[k] = child
-                stack.append((iter(v.items()), child))
+                stack.append((iter(v.items()), child, is_optimizer_state_dict(v)))
                 break
-            if k == PARAM_GROUPS and isinstance(v, (list, tuple)):
+            if optimizer and k == PARAM_GROUPS:
                 dest[k] = [_copy_group(g) for g in v]
             else:
                 dest[k] = v

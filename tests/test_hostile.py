@@ -62,6 +62,18 @@ def escapes(a: Any, b: Any) -> list[str]:
     return problems
 
 
+def _group_filled(key: str, flat_a: Any, flat_b: Any) -> bool:
+    """Whether ``key`` is a hyperparameter a kept unexpected parameter takes from its nested
+    param group (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a
+    parameter of the checkpoint's optimizer that the reference's does not have."""
+    at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
+    if at == 0 and not key.startswith("param_groups."):
+        return False
+    pid = key[at + len("param_groups.") :].rpartition(".")[0]
+    stem = f"{key[:at]}param_groups.{pid}."
+    return any(k.startswith(stem) for k in flat_a) and not any(k.startswith(stem) for k in flat_b)
+
+
 def _or_none(fn: Any) -> Any:
     try:
         return fn()
@@ -89,7 +101,10 @@ def losses(a: Any, b: Any) -> list[str]:
     if merged is not None and flat_a is not None and flat_b is not None:
         flat_m = _or_none(lambda: dm.flatten(merged.state_dict))
         if flat_m is not None:
-            if flat_m.keys() != flat_a.keys() | flat_b.keys():
+            extra = flat_m.keys() - flat_a.keys() - flat_b.keys()
+            if (flat_a.keys() | flat_b.keys()) - flat_m.keys() or not all(
+                _group_filled(k, flat_a, flat_b) for k in extra
+            ):
                 problems.append("merge's keys are not the union of both sides' keys")
             taken = {m.key for m in merged.diff.mismatched if m.shape_differs}
             if any(flat_m[k] is not v for k, v in flat_a.items() if k not in taken):
@@ -256,3 +271,17 @@ def test_backfilling_a_large_all_new_group_is_linear():
     out = dm.merge({f"param_groups.p{n - 1}.lr": 5e-5, f"param_groups.p{n - 1}.eps": 1e-8}, ref)
     assert len(out) == 2 * n
     assert out["param_groups.p0.lr"] == 5e-5  # the checkpoint's value for the group
+
+
+def test_a_param_groups_list_outside_an_optimizer_is_a_leaf_and_shared():
+    # was: copy_tree() copied every list under a "param_groups" key, so a merge kept a copy
+    # of this leaf (the mapping is no optimizer state dict: its "state" is a list)
+    c = {"optim": {"param_groups": [{"lr": 1, "params": ["w"]}], "state": []}, "step": 1}
+    other = {"step": 0, "misc": {"seed": 3}}
+    for out in (dm.merge(c, other), dm.merge(other, c)):  # kept unexpected / backfilled
+        assert out["optim"]["param_groups"] is c["optim"]["param_groups"]
+        assert out["optim"] is not c["optim"]
+    osd = {"optim": {"param_groups": [{"lr": 1, "params": ["w"]}], "state": {}}}
+    out = dm.merge(other, osd)  # in an optimizer it is a container: copied
+    assert out["optim"]["param_groups"] == osd["optim"]["param_groups"]
+    assert out["optim"]["param_groups"] is not osd["optim"]["param_groups"]
