@@ -145,7 +145,7 @@ def fqns(
 
     Attention projections, a sparse-attention indexer (the parameters that never
     get a gradient), MoE experts and norms under ``model.layers.<i>``, plus the
-    embedding, final norm and ``lm_head``. Shrinks towards ``model.layers.<min>.attn.wq.weight``.
+    embedding, final norm and ``lm_head``. Shrinks towards ``model.embed.weight``.
 
     Args:
         min_layers: Lowest layer index drawn.
@@ -170,7 +170,7 @@ def fqns(
     )
     layered = st.builds("model.layers.{}.{}".format, layer, block)
     top = st.sampled_from(("model.embed.weight", "model.norm.weight", "lm_head.weight"))
-    return st.one_of(layered, top)
+    return st.one_of(top, layered)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -285,3 +285,136 @@ def test_a_param_groups_list_outside_an_optimizer_is_a_leaf_and_shared():
     out = dm.merge(other, osd)  # in an optimizer it is a container: copied
     assert out["optim"]["param_groups"] == osd["optim"]["param_groups"]
     assert out["optim"]["param_groups"] is not osd["optim"]["param_groups"]
+
+
+# -- deterministic hostile inputs through every public function ----------------------------
+
+HOSTILE_KEYS = [None, b"state", 1.5, math.nan, True, (1, "a"), frozenset(), -1, 2**70]
+HOSTILE_SEGMENTS = ["", ".", "state..x", "param_groups.", "state.", "..", "param_groups..lr"]
+HOSTILE_INPUTS = {
+    **{f"key-{short_repr(k)}": {k: torch.zeros(1)} for k in HOSTILE_KEYS},
+    **{f"nested-key-{short_repr(k)}": {"m": {k: 1}} for k in HOSTILE_KEYS},
+    **{
+        f"state-key-{short_repr(k)}": osd([{"lr": 1, "params": [k]}], {k: {"step": 1}})
+        for k in HOSTILE_KEYS
+    },
+    **{f"segment-{s!r}": {s: 1, "param_groups.w.lr": 0.1} for s in HOSTILE_SEGMENTS},
+    **{f"nested-segment-{s!r}": {"m": {s: 1, "x": {s: 2}}} for s in HOSTILE_SEGMENTS},
+    "list-for-state": {"state": [], "param_groups": [{"lr": 1, "params": []}]},
+    "list-for-entry": osd([{"lr": 1, "params": ["w"]}], {"w": [1, 2]}),
+    "list-for-group": osd([["lr", 1]]),
+    "tuple-for-groups": {"state": {}, "param_groups": ({"lr": 1, "params": ("w",)},)},
+    "params-not-a-list": osd([{"lr": 1, "params": "w"}]),
+    "none-everywhere": {"state": None, "param_groups": None, None: None},
+    "self-cycle": (lambda d: (d.__setitem__("me", d), d)[1])({"a": 1}),
+    "cycle-in-state": (lambda d: (d["state"]["w"].__setitem__("x", d), d)[1])(osd([], {"w": {}})),
+    "cycle-in-hyperparameter": osd([{"lr": cyclic_list(), "params": ["w", "v"]}]),
+    "deep-tuple-key": {deep_tuple(10_000): 1},
+}
+GOOD_FLAT = {"state.w.step": torch.tensor(1.0), "param_groups.w.lr": 0.1}
+GOOD_NESTED = osd([{"lr": 0.1, "params": ["w"]}], {"w": {"step": torch.tensor(1.0)}})
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_INPUTS))
+def test_listed_hostile_inputs_never_escape(name):
+    bad = HOSTILE_INPUTS[name]
+    for other in (bad, GOOD_FLAT, GOOD_NESTED):
+        assert escapes(bad, other) == []
+        assert escapes(other, bad) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["key-None", "key-b'state'", "key-nan", "state-key-None", "segment-'state..x'"]
+)
+def test_messages_name_the_problem(name):
+    bad = HOSTILE_INPUTS[name]
+    with pytest.raises(dm.DSDMergeError) as info:
+        dm.unflatten(dm.flatten(bad))
+    culprit = name.split("-", 1)[1].split("-", 1)[-1]
+    assert culprit in str(info.value)
+
+
+# -- depth and size --------------------------------------------------------------------------
+
+
+def deep_dicts(depth: int, leaf: object) -> dict:
+    out: dict = {"leaf": leaf}
+    for i in range(depth):
+        out = {f"d{i % 3}": out}
+    return out
+
+
+def test_ten_thousand_deep_nesting_through_every_function():
+    w = torch.zeros(2)
+    c, r = deep_dicts(10_000, w), deep_dicts(10_000, torch.zeros(2))
+    r_more = deep_dicts(10_000, torch.zeros(2))
+    node = r_more
+    while "leaf" not in node:
+        node = next(iter(node.values()))
+    node["new"] = deep_dicts(10_000, 1)  # a 10,000-deep subtree to backfill
+    snapshots = [DeepSnapshot(x) for x in (c, r, r_more)]
+    assert dm.classify(c) is dm.Layout.NESTED
+    flat = dm.flatten(c)
+    [(key, value)] = flat.items()
+    assert value is w
+    assert key.count(".") == 10_000
+    assert dm.flatten(dm.unflatten(flat, like=r)) == flat
+    assert dm.flatten(dm.unflatten(flat)) == flat
+    assert not dm.diff(c, r)
+    merged = dm.merge_with_diff(c, r_more)
+    assert len(merged.diff.missing) == 1
+    assert merged.diff.missing[0].count(".") == 20_001
+    assert dm.flatten(merged.state_dict)[key] is w
+    with pytest.raises(dm.MergeError, match="1 key"):
+        dm.check(c, r_more, policy="strict")
+    assert all(snap.unchanged() for snap in snapshots)
+
+
+def test_ten_thousand_deep_nested_optimizer_state():
+    # Shampoo-like nested state, 10,000 levels down
+    c = osd([{"lr": 0.1, "params": ["w"]}], {"w": deep_dicts(10_000, torch.zeros(1))})
+    r = osd([{"lr": 0.2, "params": ["w", "v"]}], {"w": deep_dicts(10_000, torch.zeros(1))})
+    snapshots = DeepSnapshot(c), DeepSnapshot(r)
+    out = dm.merge(c, r)
+    assert dm.flatten(out).keys() == dm.flatten(c).keys() | dm.flatten(r).keys()
+    assert out["param_groups"][0]["lr"] == 0.1
+    assert dm.diff(c, r).missing == ("param_groups.v.lr",)
+    assert all(snap.unchanged() for snap in snapshots)
+
+
+def test_a_million_keys_through_every_function():
+    n = 10**6
+    t = torch.zeros(1)
+    r = {f"layers.{i}.w": t for i in range(n)}
+    c = dict(r)
+    del c["layers.0.w"]
+    c["layers.x.w"] = t
+    d = dm.diff(c, r)
+    assert (d.missing, d.unexpected) == (("layers.0.w",), ("layers.x.w",))
+    assert len(dm.merge(c, r)) == n + 1
+    assert dm.classify(c) is dm.Layout.FLAT
+    assert len(dm.flatten(c)) == n
+    assert len(dm.unflatten(c)["layers"]) == n
+    with pytest.raises(dm.MergeError, match=r"1 key\(s\) missing"):
+        dm.check(c, r, policy="strict")
+    c[None] = t  # one hostile key among a million
+    with pytest.raises(dm.StateDictTypeError, match="got None"):
+        dm.merge(c, r)
+
+
+def test_a_million_flat_optimizer_keys_unflatten_into_groups():
+    n = 10**5  # 10 keys per parameter: 10**6 keys
+    flat = {}
+    for i in range(n):
+        flat.update({f"state.p.{i}.w.{name}": i for name in ("step", "exp_avg", "exp_avg_sq")})
+    for i in range(n):
+        flat.update({f"param_groups.p.{i}.w.{hp}": 0.1 * (i % 2) for hp in "abcdefg"})
+    assert len(flat) == 10**6
+    nested = dm.unflatten(flat)
+    assert [len(g["params"]) for g in nested["param_groups"]] == [n // 2, n // 2]
+    assert dm.flatten(nested).keys() == flat.keys()
+    ref = dict(flat)
+    for hp in "abcdefg":  # a new parameter, in group 1
+        ref[f"param_groups.new.{hp}"] = 0.1
+    out = dm.merge({k: v for k, v in flat.items() if not k.endswith(".a") or "p.1." not in k}, ref)
+    assert len(out) == len(ref)

@@ -143,7 +143,6 @@ PAIR_ARGS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=30)
 @given(
     st.data(), PAIR_ARGS, st.sampled_from(["flat", "nested"]), st.sampled_from(OPT := ds.OPTIMIZERS)
 )
@@ -263,4 +262,4 @@ def test_flat_state_dicts_shrink_to_one_short_fqn():
     flat = find(
         ds.flat_state_dicts(max_params=3), lambda f: len(f) > 0, settings=settings(database=None)
     )
-    assert _param_ids(flat) == {"model.layers.0.attn.wq.weight"}
+    assert _param_ids(flat) == {"model.embed.weight"}
