@@ -8,7 +8,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from conftest import same_tree
 from hostile import hostile_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +33,26 @@ def outcome(call: Any, c: Any, r: Any) -> Any:
         return ("ok", call(c, r))
     except dm.DSDMergeError as err:
         return ("error", type(err), str(err))
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Same containers (dicts, lists) holding the very same leaves; iterative, for any depth."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if x is y:
+            continue
+        if type(x) is not type(y) or not isinstance(x, (dict, list)):
+            return False
+        if isinstance(x, dict):
+            if list(x) != list(y):
+                return False
+            stack.extend((x[k], y[k]) for k in x)
+        else:
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y, strict=True))
+    return True
 
 
 def same_outcome(a: Any, b: Any) -> bool:
