@@ -317,9 +317,10 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
                 )
             hyper.setdefault(fqn, {})[name] = v
     state: dict[str, Any] = {}
+    longest = max(map(len, hyper), default=0)
     for key, v in flat.items():
         if key.startswith(STATE_PREFIX):
-            found = split_param_key(key[len(STATE_PREFIX) :], hyper)
+            found = split_param_key(key[len(STATE_PREFIX) :], hyper, longest)
             if found is None:
                 raise LayoutError(
                     f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
@@ -337,9 +338,15 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
     return {STATE: state, PARAM_GROUPS: list(groups.values())}
 
 
-def split_param_key(rest: str, known: Mapping[str, Any]) -> tuple[str, str] | None:
-    """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn."""
-    end = len(rest)
+def split_param_key(
+    rest: str, known: Mapping[str, Any], longest: int | None = None
+) -> tuple[str, str] | None:
+    """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn.
+
+    ``longest``, the length of the longest known fqn, bounds the search: a key of
+    any length then costs work in proportion to ``longest``, not to its own length.
+    """
+    end = len(rest) if longest is None else min(len(rest), longest + 1)
     while True:
         end = rest.rfind(".", 0, end)
         if end <= 0:
@@ -359,6 +366,9 @@ class _Unflattener:
             str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]]]
         ] = {}
         self.trees: dict[str, dict[Any, Any]] = {}
+        # optimizer prefix -> length of its longest param id; ".optimizers" / ".trees" -> of the
+        # longest prefix: bounds on the searches that place keys like does not spell
+        self.longest: dict[str, int] = {}
 
     def run(self, like: Mapping[Any, Any]) -> dict[Any, Any]:
         if is_optimizer_state_dict(like):
@@ -467,6 +477,8 @@ class _Unflattener:
 
     def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
         placed = set(flatten(like))
+        self.longest[".optimizers"] = max(map(len, self.optimizers), default=0)
+        self.longest[".trees"] = max(map(len, self.trees), default=0)
         unplaced: list[str] = []
         for key, v in self.flat.items():
             if key in placed:
@@ -485,10 +497,10 @@ class _Unflattener:
 
     def _place(self, key: str, value: Any) -> bool:
         """Place a key ``like`` does not spell under the parameter or mapping it extends."""
-        prefix = _longest_prefix(key, self.optimizers)
+        prefix = _longest_prefix(key, self.optimizers, self.longest[".optimizers"])
         if prefix is not None:
             return self._place_in_optimizer(prefix, key, value)
-        prefix = _longest_prefix(key, self.trees)
+        prefix = _longest_prefix(key, self.trees, self.longest[".trees"])
         if prefix is None:
             return False
         _insert(self.trees[prefix], key[len(prefix) :].split("."), value, key)
@@ -498,7 +510,10 @@ class _Unflattener:
         pids, state, member_of = self.optimizers[prefix]
         rest = key[len(prefix) :]
         if rest.startswith(STATE_PREFIX):
-            found = split_param_key(rest[len(STATE_PREFIX) :], pids)
+            longest = self.longest.get(prefix)
+            if longest is None:
+                longest = self.longest[prefix] = max(map(len, pids), default=0)
+            found = split_param_key(rest[len(STATE_PREFIX) :], pids, longest)
             if found is None:
                 return False
             pid = pids[found[0]]
@@ -520,9 +535,12 @@ class _Unflattener:
         return False
 
 
-def _longest_prefix(key: str, prefixes: Mapping[str, Any]) -> str | None:
-    """The longest of ``prefixes`` (each ``""`` or ending in a dot) that ``key`` starts with."""
-    end = len(key)
+def _longest_prefix(key: str, prefixes: Mapping[str, Any], longest: int) -> str | None:
+    """The longest of ``prefixes`` (each ``""`` or ending in a dot) that ``key`` starts with.
+
+    ``longest`` is the length of the longest prefix: it bounds the search.
+    """
+    end = min(len(key), longest)
     while end > 0:
         end = key.rfind(".", 0, end)
         if end < 0:

@@ -418,3 +418,21 @@ def test_a_million_flat_optimizer_keys_unflatten_into_groups():
         ref[f"param_groups.new.{hp}"] = 0.1
     out = dm.merge({k: v for k, v in flat.items() if not k.endswith(".a") or "p.1." not in k}, ref)
     assert len(out) == len(ref)
+
+
+def test_a_megabyte_long_dotted_key_is_placed_in_linear_time():
+    # was: every candidate fqn prefix of the key was sliced and hashed, O(len * dots): a 1 MB
+    # key took minutes. Now the search is bounded by the longest known fqn.
+    key = "state." + "a." * 500_000 + "x"
+    like = osd([{"lr": 1, "params": ["b"]}])
+    with pytest.raises(dm.LayoutError, match="names no parameter"):
+        dm.unflatten({key: 1, "param_groups.b.lr": 1})
+    with pytest.raises(dm.LayoutError, match="like has no place for 1 flat key"):
+        dm.unflatten({key: 1, "param_groups.b.lr": 1}, like=like)
+    deep = dm.unflatten({"m." + key: 1}, like={"m": {"state": {}}})  # extends like's tree
+    assert list(deep["m"]["state"]) == ["a"]
+    fqn = "a." * 499_999 + "a"
+    out = dm.unflatten({key: 1, f"param_groups.{fqn}.lr": 1})
+    assert out["state"] == {fqn: {"x": 1}}
+    out = dm.unflatten({"state.b." + "s." * 500_000: 1}, like=like)  # a long state name
+    assert len(out["state"]["b"]) == 1
