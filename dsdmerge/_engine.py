@@ -105,8 +105,11 @@ def run(
 # leaves
 
 
-def _meta(value: Any) -> TensorMeta:
-    return TensorMeta.of(value)
+def _meta(value: Any, key: str) -> TensorMeta:
+    try:
+        return TensorMeta.of(value)
+    except StateDictTypeError as err:  # a value that only looks tensor-like: name its key
+        raise StateDictTypeError(f"{key!r}: {err}") from None
 
 
 def _differs(c: Any, r: Any) -> bool:
@@ -178,7 +181,7 @@ def _flat_mismatches(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[Mismatc
         if cv is rv or type(cv) not in c_types:
             continue
         if (cv.shape != rv.shape or cv.dtype != rv.dtype) if fast else _differs(cv, rv):
-            out.append(Mismatch(key, _meta(cv), _meta(rv)))
+            out.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
     return out
 
 
@@ -347,7 +350,7 @@ class _Nested:
         if cv is rv or not self._is_tensor(type(cv)) or not self._is_tensor(type(rv)):
             return
         if _differs(cv, rv):
-            self.outcome.mismatches.append(Mismatch(key, _meta(cv), _meta(rv)))
+            self.outcome.mismatches.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
             self.outcome.take_reference[key] = lambda: dest.__setitem__(k, rv)
 
     def _backfill(self, dest: dict[Any, Any], k: Any, rv: Any, key: str) -> None:

@@ -111,7 +111,29 @@ def _tensor(kind: str) -> Any:
         return torch.nn.Parameter(torch.zeros(2))
     if kind == "tensormeta":
         return dm.TensorMeta((2, 3), torch.float32)
+    if kind == "numpy":
+        try:
+            import numpy as np
+        except ImportError:  # numpy is optional for torch
+            return dm.TensorMeta((2, 3), "float32")
+        return np.zeros((2, 3), dtype=np.float32)
+    if kind == "fake-none-shape":
+        return _FakeNoneShape()
+    if kind == "fake-str-shape":
+        return _FakeStrShape()
     raise AssertionError(kind)
+
+
+class _FakeNoneShape:
+    """Looks tensor-like to a type check (the class has shape and dtype), but is not."""
+
+    shape = None
+    dtype = "float"
+
+
+class _FakeStrShape:
+    shape = "2x3"
+    dtype = torch.float32
 
 
 TENSOR_KINDS = (
@@ -126,6 +148,9 @@ TENSOR_KINDS = (
     "sparse",
     "param",
     "tensormeta",
+    "numpy",
+    "fake-none-shape",
+    "fake-str-shape",
 )
 
 hostile_leaves: st.SearchStrategy[Any] = st.one_of(

@@ -436,3 +436,50 @@ def test_a_megabyte_long_dotted_key_is_placed_in_linear_time():
     assert out["state"] == {fqn: {"x": 1}}
     out = dm.unflatten({"state.b." + "s." * 500_000: 1}, like=like)  # a long state name
     assert len(out["state"]["b"]) == 1
+
+
+class LooksLikeATensor:
+    shape = "2x3"  # the class has shape and dtype, so dsdmerge compares it as a tensor
+    dtype = torch.float32
+
+
+def test_values_that_only_look_tensor_like_are_named():
+    # was: TypeError/ValueError from TensorMeta.of (int("2") of a str shape, iterating None)
+    with pytest.raises(dm.StateDictTypeError, match=r"'w': <.*LooksLikeATensor.*not tensor-like"):
+        dm.diff({"w": LooksLikeATensor()}, {"w": torch.zeros(2)})
+    with pytest.raises(dm.StateDictTypeError, match=r"'m\.w': .*not tensor-like"):
+        dm.merge({"m": {"w": torch.zeros(3)}}, {"m": {"w": LooksLikeATensor()}})
+    with pytest.raises(dm.StateDictTypeError, match=r"5 \(int\) is not tensor-like"):
+        dm.TensorMeta.of(5)
+    assert dm.TensorMeta.of(torch.zeros(2, 3, device="meta")).shape == (2, 3)
+
+
+POLICY_VALUES = [None, 5, "STRICT", ["strict"], b"strict", {"missing": "raise"}, deep_tuple(5000)]
+GLOB_VALUES = [None, 5, [None], [b"x"], b"x", [deep_tuple(5000)], cyclic_list()]
+
+
+@pytest.mark.parametrize("value", POLICY_VALUES, ids=short_repr)
+def test_hostile_policies_raise_invalid_policy_error(value):
+    for call in (
+        lambda: dm.merge({}, {}, policy=value),
+        lambda: dm.merge_with_diff({}, {}, policy=value),
+        lambda: dm.check({}, {}, policy=value),
+        lambda: dm.resolve_policy(value),
+        lambda: dm.Policy(missing=value),
+        lambda: dm.STRICT.replace(dtype=value),
+    ):
+        with pytest.raises(dm.InvalidPolicyError):
+            call()
+
+
+@pytest.mark.parametrize("value", GLOB_VALUES, ids=short_repr)
+def test_hostile_allow_lists_raise_invalid_policy_error(value):
+    for call in (
+        lambda: dm.merge({}, {}, allow_missing=value),
+        lambda: dm.check({}, {}, allow_unexpected=value),
+        lambda: dm.resolve_policy("warn", allow_missing=value),
+        lambda: dm.Policy(allow_unexpected=value),
+        lambda: dm.DEFAULT.replace(allow_missing=value),
+    ):
+        with pytest.raises(dm.InvalidPolicyError):
+            call()
