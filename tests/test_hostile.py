@@ -65,13 +65,17 @@ def escapes(a: Any, b: Any) -> list[str]:
 def _group_filled(key: str, flat_a: Any, flat_b: Any) -> bool:
     """Whether ``key`` is a hyperparameter a kept unexpected parameter takes from its nested
     param group (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a
-    parameter of the checkpoint's optimizer that the reference's does not have."""
+    parameter of the checkpoint's optimizer that the reference's does not have. Hostile
+    hyperparameter names may hold dots, so every split of the key is tried."""
     at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
     if at == 0 and not key.startswith("param_groups."):
         return False
-    pid = key[at + len("param_groups.") :].rpartition(".")[0]
-    stem = f"{key[:at]}param_groups.{pid}."
-    return any(k.startswith(stem) for k in flat_a) and not any(k.startswith(stem) for k in flat_b)
+    start = at + len("param_groups.")
+    for dot in (i for i, ch in enumerate(key) if ch == "." and i >= start):
+        stem = key[: dot + 1]
+        if any(k.startswith(stem) for k in flat_a) and not any(k.startswith(stem) for k in flat_b):
+            return True
+    return False
 
 
 def _or_none(fn: Any) -> Any:
