@@ -532,6 +532,7 @@ def flat_state_dicts(
         <Layout.FLAT: 'flat'>
     """
     _check_choice("kind", kind, _KINDS)
+    _check_optimizers(optimizers)
     if kind == "model":
         return model_state_dicts(
             dtypes=dtypes, allow_meta=allow_meta, min_params=min_params, max_params=max_params
