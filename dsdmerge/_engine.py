@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from dsdmerge._values import MISSING, freeze, key_str, same_value, tensor_types
+from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr, tensor_types
 from dsdmerge.diff import Mismatch, TensorMeta
-from dsdmerge.errors import LayoutError
+from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_flat
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -105,8 +105,11 @@ def run(
 # leaves
 
 
-def _meta(value: Any) -> TensorMeta:
-    return TensorMeta.of(value)
+def _meta(value: Any, key: str) -> TensorMeta:
+    try:
+        return TensorMeta.of(value)
+    except StateDictTypeError as err:  # a value that only looks tensor-like: name its key
+        raise StateDictTypeError(f"{key!r}: {err}") from None
 
 
 def _differs(c: Any, r: Any) -> bool:
@@ -178,7 +181,7 @@ def _flat_mismatches(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[Mismatc
         if cv is rv or type(cv) not in c_types:
             continue
         if (cv.shape != rv.shape or cv.dtype != rv.dtype) if fast else _differs(cv, rv):
-            out.append(Mismatch(key, _meta(cv), _meta(rv)))
+            out.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
     return out
 
 
@@ -221,16 +224,21 @@ def _group_hyperparameters(
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     merged = outcome.merged
     n = len(PG_PREFIX)
+    found: dict[tuple[int, str], Any] = {}  # (group, hyperparameter) -> checkpoint value
     for key in backfilled:
         fqn, _, name = key[n:].rpartition(".")
         index = group_of.get(fqn)
         if index is None or merged is None:
             continue
-        for member in groups[index]:
-            value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
-            if value is not MISSING:
-                merged[key] = value
-                break
+        value = found.get((index, name), found)
+        if value is found:  # first backfilled key of this group and name: scan the group once
+            for member in groups[index]:
+                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
+                if value is not MISSING:
+                    break
+            found[index, name] = value
+        if value is not MISSING:
+            merged[key] = value
     if not conflicts:
         return
     for index, members in enumerate(groups):
@@ -248,7 +256,8 @@ def _group_hyperparameters(
                     reported.add(name)
                     outcome.conflicts.append(
                         f"param group {index}{inferred}: checkpoint members disagree on "
-                        f"{name!r}: {first[0]} has {first[1]!r}, {member} has {value!r}; "
+                        f"{name!r}: {first[0]} has {short_repr(first[1])}, {member} has "
+                        f"{short_repr(value)}; "
                         "torch keeps the first member's value for the whole group"
                     )
 
@@ -267,20 +276,26 @@ def _flat_keys(value: Any, key: str) -> list[str]:
 
 
 def copy_tree(value: Any) -> Any:
-    """New containers (mappings, param_groups lists, params lists), shared leaves."""
+    """New containers (mappings, optimizers' param_groups and params lists), shared leaves.
+
+    A ``param_groups`` list is a container only in an optimizer state dict; elsewhere
+    it is a leaf like any list, and shared.
+    """
     if not isinstance(value, Mapping):
         return value
     root: dict[Any, Any] = {}
-    stack: list[tuple[Any, dict[Any, Any]]] = [(iter(value.items()), root)]
+    stack: list[tuple[Any, dict[Any, Any], bool]] = [
+        (iter(value.items()), root, is_optimizer_state_dict(value))
+    ]
     while stack:
-        items, dest = stack[-1]
+        items, dest, optimizer = stack[-1]
         for k, v in items:
             if isinstance(v, Mapping):
                 child: dict[Any, Any] = {}
                 dest[k] = child
-                stack.append((iter(v.items()), child))
+                stack.append((iter(v.items()), child, is_optimizer_state_dict(v)))
                 break
-            if k == PARAM_GROUPS and isinstance(v, (list, tuple)):
+            if optimizer and k == PARAM_GROUPS:
                 dest[k] = [_copy_group(g) for g in v]
             else:
                 dest[k] = v
@@ -335,12 +350,12 @@ class _Nested:
         if cv is rv or not self._is_tensor(type(cv)) or not self._is_tensor(type(rv)):
             return
         if _differs(cv, rv):
-            self.outcome.mismatches.append(Mismatch(key, _meta(cv), _meta(rv)))
+            self.outcome.mismatches.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
             self.outcome.take_reference[key] = lambda: dest.__setitem__(k, rv)
 
     def _backfill(self, dest: dict[Any, Any], k: Any, rv: Any, key: str) -> None:
+        self.outcome.missing.extend(_flat_keys(rv, key))  # first: it refuses cycles
         dest[k] = copy_tree(rv)
-        self.outcome.missing.extend(_flat_keys(rv, key))
 
     # -- generic mappings ------------------------------------------------------------
 
@@ -486,23 +501,28 @@ class _Nested:
             (g, _group_items(g, f"{where}[{i}] (reference)")) for i, g in enumerate(r[PARAM_GROUPS])
         ]
         self._check_positional(c_groups, r_groups, c, r, where)
-        c_index = {pid: i for i, (g, _) in enumerate(c_groups) for pid in g[PARAMS]}
-        r_index = {pid: i for i, (g, _) in enumerate(r_groups) for pid in g[PARAMS]}
+        try:
+            c_index = {pid: i for i, (g, _) in enumerate(c_groups) for pid in g[PARAMS]}
+            r_index = {pid: i for i, (g, _) in enumerate(r_groups) for pid in g[PARAMS]}
+        except TypeError:  # an unhashable param id: name it
+            for side, sides_groups in (("checkpoint", c_groups), ("reference", r_groups)):
+                for i, (g, _) in enumerate(sides_groups):
+                    for pid in g[PARAMS]:
+                        key_str(pid, f"{where}[{i}] ({side})")
+            raise StateDictTypeError(f"{where}: a param id is unhashable") from None
         c_names = [{name for name, _ in items} for _, items in c_groups]
         r_names = [{name for name, _ in items} for _, items in r_groups]
         group_prefix = prefix + PG_PREFIX
         missing = self.outcome.missing
         out: list[dict[str, Any]] = []
         matched: set[int] = set()
+        empty_c_groups = iter([i for i, (g, _) in enumerate(c_groups) if not g[PARAMS]])
         for ri, (rg, r_items) in enumerate(r_groups):
             params = rg[PARAMS]
             spelled = [key_str(pid, f"{where}[{ri}]") for pid in params]
             ci = next((c_index[pid] for pid in params if pid in c_index), None)
-            if ci is None and not params:  # an empty group: the checkpoint's empty one, if any
-                ci = next(
-                    (i for i, (g, _) in enumerate(c_groups) if not g[PARAMS] and i not in matched),
-                    None,
-                )
+            if ci is None and not params:  # an empty group: the checkpoint's next empty one
+                ci = next(empty_c_groups, None)
             if ci is None:
                 for s in spelled:
                     missing.extend(f"{group_prefix}{s}.{name}" for name, _ in r_items)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,19 @@ from dsdmerge.errors import StateDictTypeError
 __all__: list[str] = []
 
 MISSING: Any = object()
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 120
+_REPR.maxother = 120
+
+
+def short_repr(value: object) -> str:
+    """A bounded ``repr`` for messages: never recurses deeply, never raises, never huge."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # an exotic __repr__  # noqa: BLE001
+        return f"<{type(value).__name__} object>"
 
 
 def key_str(key: object, where: str) -> str:
@@ -26,30 +40,74 @@ def key_str(key: object, where: str) -> str:
         return str(int(key))
     place = f"under {where!r}" if where else "at the top level"
     raise StateDictTypeError(
-        f"key {key!r} {place} is a {tp.__name__}; state dict keys must be str "
+        f"key {short_repr(key)} {place} is a {tp.__name__}; state dict keys must be str "
         "(module paths, state names) or int (optimizer param ids)."
     )
+
+
+# freeze() compares containers by content up to this depth and this many items in all;
+# deeper, larger or cyclic values compare by identity (a hostile value costs bounded work).
+_FREEZE_DEPTH = 32
+_FREEZE_ITEMS = 4096
+
+
+class _TooBig(Exception):
+    pass
 
 
 def freeze(value: Any) -> Any:
     """A hashable stand-in for a hyperparameter value: equal values, equal stand-ins.
 
     Floats compare by value (NaN equals NaN here), tuples and lists element-wise,
-    small CPU tensors by dtype, shape and contents; anything unhashable by identity.
+    small CPU tensors by dtype, shape and contents; anything unhashable, any other
+    tensor, and containers that are cyclic, deeper than 32 levels or hold more
+    than 4096 items in all, by identity.
     """
     tp = type(value)
     if tp is float:
         return (float, "nan") if math.isnan(value) else (float, value)
     if tp in (str, int, bool) or value is None:
         return (tp, value)
-    if tp is tuple or tp is list:
-        return (tp, tuple(freeze(item) for item in value))
-    if tp is torch.Tensor:
-        if value.device.type == "cpu" and value.numel() <= 64:
-            return (tp, str(value.dtype), tuple(value.shape), repr(value.tolist()))
-        return (tp, id(value))
-    if isinstance(value, Mapping):
-        return (Mapping, tuple((freeze(k), freeze(v)) for k, v in value.items()))
+    if tp is tuple or tp is list or isinstance(value, Mapping):
+        try:
+            return _freeze(value, 0, [_FREEZE_ITEMS])
+        except _TooBig:
+            return ("id", id(value))
+    return _freeze(value, 0, [_FREEZE_ITEMS])
+
+
+def _freeze(value: Any, depth: int, budget: list[int]) -> Any:
+    tp = type(value)
+    if tp is float:
+        return (float, "nan") if math.isnan(value) else (float, value)
+    if tp in (str, int, bool) or value is None:
+        return (tp, value)
+    if tp is tuple or tp is list or isinstance(value, Mapping):
+        budget[0] -= len(value)
+        if depth >= _FREEZE_DEPTH or budget[0] < 0:
+            raise _TooBig
+        if tp is tuple or tp is list:
+            return (tp, tuple(_freeze(item, depth + 1, budget) for item in value))
+        return (
+            Mapping,
+            tuple(
+                (_freeze(k, depth + 1, budget), _freeze(v, depth + 1, budget))
+                for k, v in value.items()
+            ),
+        )
+    if isinstance(value, torch.Tensor):
+        if (
+            tp is torch.Tensor
+            and value.layout == torch.strided
+            and not value.is_quantized
+            and value.device.type == "cpu"
+            and value.numel() <= 64
+        ):
+            try:
+                return (tp, str(value.dtype), tuple(value.shape), repr(value.tolist()))
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                pass  # a tensor whose contents cannot be read as Python values
+        return ("id", id(value))
     try:
         hash(value)
     except TypeError:

@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dsdmerge._values import shape_dtype
+from dsdmerge._values import shape_dtype, short_repr
+from dsdmerge.errors import StateDictTypeError
 
 __all__ = ["KeyDiff", "Mismatch", "TensorMeta", "diff"]
 
@@ -39,8 +40,18 @@ class TensorMeta:
 
     @classmethod
     def of(cls, tensor: Any) -> TensorMeta:
-        """The metadata of a tensor-like value (anything with ``shape`` and ``dtype``)."""
-        shape, dtype = shape_dtype(tensor)
+        """The metadata of a tensor-like value (anything with ``shape`` and ``dtype``).
+
+        Raises:
+            StateDictTypeError: ``tensor`` has no ``dtype``, or no ``shape`` of ints.
+        """
+        try:
+            shape, dtype = shape_dtype(tensor)
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            raise StateDictTypeError(
+                f"{short_repr(tensor)} ({type(tensor).__name__}) is not tensor-like: it needs a "
+                "shape of ints and a dtype"
+            ) from None
         return cls(shape, dtype)
 
     def to_dict(self) -> dict[str, Any]:

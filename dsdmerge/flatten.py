@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsdmerge._values import MISSING, freeze, key_str, same_value
+from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -183,7 +183,9 @@ def _group_items(group: object, where: str) -> list[tuple[str, Any]]:
         if name == PARAMS:
             continue
         if type(name) is not str:
-            raise StateDictTypeError(f"{where}: hyperparameter name {name!r} is not a str")
+            raise StateDictTypeError(
+                f"{where}: hyperparameter name {short_repr(name)} is not a str"
+            )
         if isinstance(v, Mapping):
             raise LayoutError(
                 f"{where}[{name!r}] is a mapping; torch's flattened format holds one "
@@ -255,13 +257,14 @@ def require_flat(flat: object, what: str) -> Mapping[str, Any]:
     if classify(mapping) is not Layout.FLAT:
         nested = next(k for k, v in mapping.items() if isinstance(v, Mapping))
         raise LayoutError(
-            f"{what} must be a flat state dict, but {nested!r} holds a mapping; "
+            f"{what} must be a flat state dict, but {short_repr(nested)} holds a mapping; "
             "flatten it first with dsdmerge.flatten()."
         )
     if set(map(type, mapping)) - {str}:
         bad = next(k for k in mapping if type(k) is not str)
         raise StateDictTypeError(
-            f"{what}: flat state dict keys must be str, got {bad!r} ({type(bad).__name__})"
+            f"{what}: flat state dict keys must be str, got {short_repr(bad)} "
+            f"({type(bad).__name__})"
         )
     return mapping
 
@@ -314,9 +317,10 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
                 )
             hyper.setdefault(fqn, {})[name] = v
     state: dict[str, Any] = {}
+    longest = max(map(len, hyper), default=0)
     for key, v in flat.items():
         if key.startswith(STATE_PREFIX):
-            found = split_param_key(key[len(STATE_PREFIX) :], hyper)
+            found = split_param_key(key[len(STATE_PREFIX) :], hyper, longest)
             if found is None:
                 raise LayoutError(
                     f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
@@ -334,9 +338,15 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
     return {STATE: state, PARAM_GROUPS: list(groups.values())}
 
 
-def split_param_key(rest: str, known: Mapping[str, Any]) -> tuple[str, str] | None:
-    """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn."""
-    end = len(rest)
+def split_param_key(
+    rest: str, known: Mapping[str, Any], longest: int | None = None
+) -> tuple[str, str] | None:
+    """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn.
+
+    ``longest``, the length of the longest known fqn, bounds the search: a key of
+    any length then costs work in proportion to ``longest``, not to its own length.
+    """
+    end = len(rest) if longest is None else min(len(rest), longest + 1)
     while True:
         end = rest.rfind(".", 0, end)
         if end <= 0:
@@ -356,6 +366,9 @@ class _Unflattener:
             str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]]]
         ] = {}
         self.trees: dict[str, dict[Any, Any]] = {}
+        # optimizer prefix -> length of its longest param id; ".optimizers" / ".trees" -> of the
+        # longest prefix: bounds on the searches that place keys like does not spell
+        self.longest: dict[str, int] = {}
 
     def run(self, like: Mapping[Any, Any]) -> dict[Any, Any]:
         if is_optimizer_state_dict(like):
@@ -449,8 +462,9 @@ class _Unflattener:
                     elif not same_value(v, value):
                         raise LayoutError(
                             f"cannot unflatten: members of {where} disagree on {name!r} "
-                            f"({group_prefix}{spelled}.{name} is {v!r}, an earlier member has "
-                            f"{value!r}); a nested param group holds one value per hyperparameter."
+                            f"({group_prefix}{spelled}.{name} is {short_repr(v)}, an earlier "
+                            f"member has {short_repr(value)}); a nested param group holds one "
+                            "value per hyperparameter."
                         )
                 if value is not MISSING:
                     group[name] = value
@@ -463,6 +477,8 @@ class _Unflattener:
 
     def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
         placed = set(flatten(like))
+        self.longest[".optimizers"] = max(map(len, self.optimizers), default=0)
+        self.longest[".trees"] = max(map(len, self.trees), default=0)
         unplaced: list[str] = []
         for key, v in self.flat.items():
             if key in placed:
@@ -481,10 +497,10 @@ class _Unflattener:
 
     def _place(self, key: str, value: Any) -> bool:
         """Place a key ``like`` does not spell under the parameter or mapping it extends."""
-        prefix = _longest_prefix(key, self.optimizers)
+        prefix = _longest_prefix(key, self.optimizers, self.longest[".optimizers"])
         if prefix is not None:
             return self._place_in_optimizer(prefix, key, value)
-        prefix = _longest_prefix(key, self.trees)
+        prefix = _longest_prefix(key, self.trees, self.longest[".trees"])
         if prefix is None:
             return False
         _insert(self.trees[prefix], key[len(prefix) :].split("."), value, key)
@@ -494,7 +510,10 @@ class _Unflattener:
         pids, state, member_of = self.optimizers[prefix]
         rest = key[len(prefix) :]
         if rest.startswith(STATE_PREFIX):
-            found = split_param_key(rest[len(STATE_PREFIX) :], pids)
+            longest = self.longest.get(prefix)
+            if longest is None:
+                longest = self.longest[prefix] = max(map(len, pids), default=0)
+            found = split_param_key(rest[len(STATE_PREFIX) :], pids, longest)
             if found is None:
                 return False
             pid = pids[found[0]]
@@ -508,16 +527,20 @@ class _Unflattener:
                 return False
             if name in group and not same_value(group[name], value):
                 raise LayoutError(
-                    f"cannot unflatten: {key!r} is {value!r} but its group holds {group[name]!r}"
+                    f"cannot unflatten: {key!r} is {short_repr(value)} but its group holds "
+                    f"{short_repr(group[name])}"
                 )
             group[name] = value
             return True
         return False
 
 
-def _longest_prefix(key: str, prefixes: Mapping[str, Any]) -> str | None:
-    """The longest of ``prefixes`` (each ``""`` or ending in a dot) that ``key`` starts with."""
-    end = len(key)
+def _longest_prefix(key: str, prefixes: Mapping[str, Any], longest: int) -> str | None:
+    """The longest of ``prefixes`` (each ``""`` or ending in a dot) that ``key`` starts with.
+
+    ``longest`` is the length of the longest prefix: it bounds the search.
+    """
+    end = min(len(key), longest)
     while end > 0:
         end = key.rfind(".", 0, end)
         if end < 0:

@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 
 __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
@@ -99,7 +100,9 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
     Raises:
         StateDictTypeError: ``sd`` is not a mapping.
         LayoutError: ``sd`` mixes nested optimizer sections (``"state"``,
-            ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``).
+            ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``),
+            or is an optimizer state dict with other keys besides (which torch's
+            formats cannot hold, so converting or merging it would lose them).
 
     Example:
         >>> import dsdmerge as dm
@@ -119,7 +122,10 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
 
 
 def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
-    """Raise :class:`LayoutError` if ``sd`` holds nested optimizer sections and flattened keys."""
+    """Raise :class:`LayoutError` for optimizer sections next to flattened or other keys.
+
+    An optimizer state dict holds only ``state`` and ``param_groups``.
+    """
     sections = [
         k
         for k, tp in ((STATE, Mapping), (PARAM_GROUPS, (list, tuple)))
@@ -127,11 +133,11 @@ def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
     ]
     if not sections:
         return
+    where = f" at {path!r}" if path else ""
     flat_keys = sorted(
         k for k in sd if type(k) is str and (k.startswith(STATE_PREFIX) or k.startswith(PG_PREFIX))
     )
     if flat_keys:
-        where = f" at {path!r}" if path else ""
         shown = ", ".join(repr(k) for k in flat_keys[:5])
         more = f" and {len(flat_keys) - 5} more" if len(flat_keys) > 5 else ""
         raise LayoutError(
@@ -139,4 +145,14 @@ def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
             f"flattened keys {shown}{more}. A state dict is either nested "
             "(get_optimizer_state_dict) or flattened (flatten_optimizer_state_dict=True); "
             "convert one side with dsdmerge.flatten() or dsdmerge.unflatten()."
+        )
+    if len(sections) == 2 and len(sd) > 2:
+        extra = [short_repr(k) for k in sd if k != STATE and k != PARAM_GROUPS]
+        shown = ", ".join(extra[:5])
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise LayoutError(
+            f"optimizer state dict{where} has keys besides 'state' and 'param_groups': "
+            f"{shown}{more}. torch's optimizer state dicts hold only those two (its flattened "
+            "format has no place for others, and Optimizer.load_state_dict ignores them), so "
+            "they would be lost; move them out of the optimizer state dict."
         )

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dsdmerge._engine import Outcome, run
+from dsdmerge._values import short_repr
 from dsdmerge.diff import KeyDiff, Mismatch
 from dsdmerge.errors import DSDMergeWarning, MergeError
 from dsdmerge.policy import Action, Policy, matcher, resolve_policy
@@ -241,7 +242,7 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
     errors = [text for action, text in findings if action == "raise"]
     errors.extend(outcome.problems)
     if errors:
-        message = f"policy {policy.name!r} rejected the merge:\n" + "\n".join(
+        message = f"policy {short_repr(policy.name)} rejected the merge:\n" + "\n".join(
             f"  - {text}" for text in errors
         )
         raise MergeError(message, diff=diff, problems=tuple(errors))

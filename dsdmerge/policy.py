@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args
 
+from dsdmerge._values import short_repr
 from dsdmerge.errors import DSDMergeError
 
 __all__ = ["DEFAULT", "STRICT", "WARN", "Action", "InvalidPolicyError", "Policy", "resolve_policy"]
@@ -55,7 +56,7 @@ def _globs(value: str | Iterable[str], name: str) -> tuple[str, ...]:
         ) from None
     for glob in globs:
         if not isinstance(glob, str):
-            raise InvalidPolicyError(f"{name} holds {glob!r}, which is not a str glob")
+            raise InvalidPolicyError(f"{name} holds {short_repr(glob)}, which is not a str glob")
     return globs  # type: ignore[return-value]
 
 
@@ -108,7 +109,7 @@ class Policy:
             if action not in _ACTIONS:
                 raise InvalidPolicyError(
                     f"Policy.{field} must be one of {', '.join(map(repr, _ACTIONS))}, "
-                    f"got {action!r}"
+                    f"got {short_repr(action)}"
                 )
         for field in ("allow_missing", "allow_unexpected"):
             object.__setattr__(self, field, _globs(getattr(self, field), field))
@@ -196,7 +197,8 @@ def resolve_policy(
         base = _NAMED[policy]
     else:
         raise InvalidPolicyError(
-            f"unknown policy {policy!r}: use 'default', 'warn', 'strict' or a dsdmerge.Policy"
+            f"unknown policy {short_repr(policy)}: use 'default', 'warn', 'strict' or a "
+            "dsdmerge.Policy"
         )
     extra_missing = _globs(allow_missing, "allow_missing")
     extra_unexpected = _globs(allow_unexpected, "allow_unexpected")

@@ -1,27 +1,41 @@
 """Hypothesis strategies for state dicts, to fuzz your own resume path.
 
 This is the only dsdmerge module that imports hypothesis; install it with the
-``strategies`` extra (``pip install 'dsdmerge[strategies]'``). Strategies are
-built bottom-up from small parts (module paths, shapes, dtypes, optimizer
-kinds), so they shrink towards small, readable state dicts::
+``strategies`` extra (``pip install 'dsdmerge[strategies]'``). In the style of
+``hypothesis.extra.numpy``: plural names, keyword-only arguments, ``min_*`` /
+``max_*`` bounds and a ``layout=`` choice, all validated when the strategy is
+built (a bad argument raises :class:`hypothesis.errors.InvalidArgument` at once,
+not at the first draw)::
 
     from hypothesis import given
     from dsdmerge.strategies import checkpoint_pairs
 
-    @given(checkpoint_pairs(layout="flat"))
+    @given(checkpoint_pairs(layout="flat", min_missing=1))
     def test_resume(pair):
         checkpoint, reference = pair
         merged = dsdmerge.merge(checkpoint, reference)
         ...
 
-Every strategy takes keyword-only arguments: ``min_*`` / ``max_*`` bounds and a
-``layout=`` (``"flat"`` or ``"nested"``), validated up front with
-:class:`hypothesis.errors.InvalidArgument`.
+What they draw looks like the real thing: fqns shaped like a transformer's
+(``model.layers.3.mlp.experts.1.w1.weight``); optimizer state of Adam
+(``step``/``exp_avg``/``exp_avg_sq``), SGD with momentum, stateless SGD and a
+Shampoo-like optimizer with nested state; several param groups with scalar and
+tuple hyperparameters; nested state dicts keyed by fqn
+(``get_optimizer_state_dict``) or by int id (``optimizer.state_dict()``), and
+DSD's flattened form (``flatten_optimizer_state_dict=True``); tensors of several
+dtypes and small shapes, and, with ``allow_meta=True``, model-sized shapes as
+meta tensors (no memory).
+
+Everything is built bottom-up from small independent draws (no filtering), so
+failing examples shrink to few parameters, one group, ``()`` shapes, the first
+optimizer kind and dtype in your lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,45 +58,79 @@ __all__ = [
 
 OPTIMIZERS = ("adam", "sgd_momentum", "sgd", "shampoo")
 """Optimizer kinds: Adam-like (``step``, ``exp_avg``, ``exp_avg_sq``), SGD with a
-momentum buffer, stateless SGD, and Shampoo-like nested state."""
+momentum buffer, stateless SGD (no state at all), and Shampoo-like nested state
+(``factor_matrices.0``, ``preconditioner.left``, ...)."""
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Tensor dtypes the strategies draw from."""
+"""Tensor dtypes drawn by default (the first is what failing examples shrink to)."""
 
+_STATEFUL = ("adam", "sgd_momentum", "shampoo")
 _LAYOUTS = ("flat", "nested")
 _KEYED = ("fqn", "id")
 _KINDS = ("optimizer", "model", "checkpoint")
+# Shapes of real large models, drawn (as meta tensors) only with allow_meta=True.
+_BIG_SHAPES = ((4096, 4096), (129280, 7168), (256, 2048, 7168), (7168,))
 
 
 # --------------------------------------------------------------------------------------
 # argument validation
 
 
-def _check_bounds(name: str, low: int, high: int | None, *, floor: int = 0) -> None:
+def _check_bounds(name: str, low: object, high: object, *, floor: int = 0) -> None:
     for label, value in ((f"min_{name}", low), (f"max_{name}", high)):
-        if value is None and label.startswith("max"):
-            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidArgument(f"{label}={value!r} must be an int")
         if value < floor:
             raise InvalidArgument(f"{label}={value!r} must be at least {floor}")
-    if high is not None and low > high:
+    assert isinstance(low, int)  # for mypy: checked above
+    assert isinstance(high, int)
+    if low > high:
         raise InvalidArgument(f"min_{name}={low} is greater than max_{name}={high}")
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
         raise InvalidArgument(f"{name}={value!r} must be one of {', '.join(map(repr, choices))}")
 
 
-def _check_optimizers(optimizers: Sequence[str]) -> tuple[str, ...]:
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name}={value!r} must be a bool")
+
+
+def _check_optimizers(optimizers: object) -> tuple[str, ...]:
     if isinstance(optimizers, str):
         optimizers = (optimizers,)
-    chosen = tuple(optimizers)
+    try:
+        chosen = tuple(dict.fromkeys(optimizers))  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(
+            f"optimizers={optimizers!r} must be an optimizer kind or a sequence of them"
+        ) from None
     if not chosen:
         raise InvalidArgument("optimizers must name at least one optimizer kind")
     for kind in chosen:
         _check_choice("optimizers", kind, OPTIMIZERS)
+    return chosen
+
+
+def _check_dtypes(dtypes: object) -> tuple[torch.dtype, ...]:
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    try:
+        chosen = tuple(dict.fromkeys(dtypes))  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(
+            f"dtypes={dtypes!r} must be a torch dtype or a sequence of them"
+        ) from None
+    if not chosen:
+        raise InvalidArgument("dtypes must name at least one dtype")
+    for dtype in chosen:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidArgument(
+                f"dtypes holds {dtype!r}; parameters and optimizer state are floating-point "
+                "torch dtypes (torch.float32, torch.bfloat16, ...)"
+            )
     return chosen
 
 
@@ -95,14 +143,18 @@ def fqns(
 ) -> st.SearchStrategy[str]:
     """Parameter fqns shaped like a transformer's, e.g. ``model.layers.2.mlp.experts.1.w1.weight``.
 
+    Attention projections, a sparse-attention indexer (the parameters that never
+    get a gradient), MoE experts and norms under ``model.layers.<i>``, plus the
+    embedding, final norm and ``lm_head``. Shrinks towards ``model.embed.weight``.
+
     Args:
         min_layers: Lowest layer index drawn.
         max_layers: Highest layer index drawn.
-        max_experts: Highest expert index drawn (experts appear in MLP fqns).
+        max_experts: Highest expert index drawn.
 
     Example:
         >>> from dsdmerge.strategies import fqns
-        >>> isinstance(fqns().example(), str)
+        >>> fqns().example().endswith((".weight", ".bias"))
         True
     """
     _check_bounds("layers", min_layers, max_layers)
@@ -118,10 +170,7 @@ def fqns(
     )
     layered = st.builds("model.layers.{}.{}".format, layer, block)
     top = st.sampled_from(("model.embed.weight", "model.norm.weight", "lm_head.weight"))
-    return st.one_of(layered, top)
-
-
-_shapes = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple)
+    return st.one_of(top, layered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,22 +179,109 @@ class _Param:
     shape: tuple[int, ...]
     dtype: torch.dtype
     group: int
+    meta: bool = False
 
 
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class _Params:
+    """Parameters of one model, sorted by group (the order torch numbers int ids in)."""
+
+    params: tuple[_Param, ...]
+    n_groups: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """What every strategy draws its tensors and hyperparameters with."""
+
+    dtypes: tuple[torch.dtype, ...] = DTYPES
+    allow_meta: bool = False
+
+
+def _tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0, *, meta: bool = False
+) -> torch.Tensor:
+    if meta:
+        return torch.empty(shape, dtype=dtype, device="meta")
     return torch.full(shape, fill, dtype=dtype)
 
 
-def _hyperparameters(kind: str, group: int, lr: float) -> dict[str, Any]:
+_small_shapes = st.lists(st.integers(1, 3), max_size=2).map(tuple)
+
+
+@functools.cache
+def _ints(low: int, high: int) -> st.SearchStrategy[int]:
+    """``st.integers(low, high)``, built (and validated by hypothesis) once."""
+    return st.integers(low, high)
+
+
+@functools.cache
+def _choice(options: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    """``st.sampled_from(options)``, built once."""
+    return st.sampled_from(options)
+
+
+_bools = st.booleans()
+_FRESH_LRS = (1e-3, 5e-4, 5e-5)
+_TRAINED_LRS = (5e-4, 5e-5, 1e-5)
+
+
+@functools.cache
+def _params(
+    config: _Config, min_params: int, max_params: int, min_groups: int, max_groups: int
+) -> st.SearchStrategy[_Params]:
+    """Parameters with unique fqns, shapes, dtypes and groups; built once per arguments."""
+    # enough layers that unique fqns are easy to draw (about 20 per layer)
+    layers = max(3, math.ceil(3 * max_params / 20))
+    names = st.lists(fqns(max_layers=layers), min_size=min_params, max_size=max_params, unique=True)
+    small = _small_shapes.map(lambda s: (s, False))
+    big = st.sampled_from(_BIG_SHAPES).map(lambda s: (s, True))
+    shapes = st.one_of(small, big) if config.allow_meta else small
+    dtypes = st.sampled_from(config.dtypes)
+
+    @st.composite
+    def build(draw: st.DrawFn) -> _Params:
+        fqns_ = draw(names)
+        n_groups = draw(_ints(min_groups, max(min_groups, min(max_groups, len(fqns_)))))
+        out = []
+        for i, name in enumerate(fqns_):
+            group = i if i < n_groups else draw(_ints(0, n_groups - 1))
+            (dims, meta), dtype = draw(shapes), draw(dtypes)
+            out.append(_Param(name, dims, dtype, group, meta))
+        return _Params(tuple(sorted(out, key=lambda p: p.group)), n_groups)
+
+    return build()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hyper:
+    """The hyperparameters one optimizer was built with (the same for checkpoint and reference)."""
+
+    betas: tuple[float, float]
+    eps: float
+    momentum: float
+    amsgrad: bool
+
+
+_hypers = st.builds(
+    _Hyper,
+    betas=st.sampled_from(((0.9, 0.95), (0.9, 0.999))),
+    eps=st.sampled_from((1e-8, 1e-6)),
+    momentum=st.sampled_from((0.9, 0.99)),
+    amsgrad=st.booleans(),
+)
+
+
+def _hyperparameters(kind: str, hyper: _Hyper, group: int, lr: float) -> dict[str, Any]:
     """Group ``group``'s hyperparameters; weight decay differs per group, as real groups do."""
     decay = round(0.01 * group, 2)
     if kind == "adam":
         return {
             "lr": lr,
-            "betas": (0.9, 0.95),
-            "eps": 1e-8,
+            "betas": hyper.betas,
+            "eps": hyper.eps,
             "weight_decay": decay,
-            "amsgrad": False,
+            "amsgrad": hyper.amsgrad,
             "foreach": None,
             "maximize": False,
             "capturable": False,
@@ -156,57 +292,47 @@ def _hyperparameters(kind: str, group: int, lr: float) -> dict[str, Any]:
     if kind in ("sgd", "sgd_momentum"):
         return {
             "lr": lr,
-            "momentum": 0.9 if kind == "sgd_momentum" else 0,
+            "momentum": hyper.momentum if kind == "sgd_momentum" else 0,
             "dampening": 0,
             "weight_decay": decay,
             "nesterov": False,
             "maximize": False,
             "foreach": None,
         }
-    return {"lr": lr, "betas": (0.9, 0.999), "epsilon": 1e-12, "weight_decay": decay}
+    return {"lr": lr, "betas": hyper.betas, "epsilon": 1e-12, "weight_decay": decay}
+
+
+# Hyperparameters a newer torch added: checkpoints from an older one lack them.
+_NEW_HYPERPARAMETERS = {
+    "adam": "decoupled_weight_decay",
+    "sgd": "foreach",
+    "sgd_momentum": "foreach",
+    "shampoo": "epsilon",
+}
 
 
 def _state(
-    kind: str,
-    p: _Param,
-    step: int,
-    shape: tuple[int, ...] | None = None,
-    dtype: torch.dtype | None = None,
+    kind: str, p: _Param, step: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> dict[Any, Any] | None:
-    shape = p.shape if shape is None else shape
-    dtype = p.dtype if dtype is None else dtype
+    def t() -> torch.Tensor:
+        return _tensor(shape, dtype, step, meta=p.meta)
+
     if kind == "sgd":
         return None
     if kind == "sgd_momentum":
-        return {"momentum_buffer": _tensor(shape, dtype, step)}
+        return {"momentum_buffer": t()}
     if kind == "adam":
-        return {
-            "step": torch.tensor(float(step)),
-            "exp_avg": _tensor(shape, dtype, step),
-            "exp_avg_sq": _tensor(shape, dtype, step),
-        }
+        return {"step": torch.tensor(float(step)), "exp_avg": t(), "exp_avg_sq": t()}
     return {
         "step": torch.tensor(float(step)),
-        "factor_matrices": {0: _tensor(shape, dtype, step), 1: _tensor(shape, dtype, step)},
-        "preconditioner": {"left": _tensor(shape, dtype, step)},
+        "factor_matrices": {0: t(), 1: t()},
+        "preconditioner": {"left": t()},
     }
-
-
-@st.composite
-def _params(
-    draw: st.DrawFn, min_params: int, max_params: int, min_groups: int, max_groups: int
-) -> list[_Param]:
-    names = draw(st.lists(fqns(), min_size=min_params, max_size=max_params, unique=True))
-    n_groups = draw(st.integers(min_groups, max(min_groups, min(max_groups, len(names)))))
-    out = []
-    for i, name in enumerate(names):
-        group = i if i < n_groups else draw(st.integers(0, max(n_groups - 1, 0)))
-        out.append(_Param(name, draw(_shapes), draw(st.sampled_from(DTYPES)), group))
-    return sorted(out, key=lambda p: p.group) if n_groups else out
 
 
 def _optimizer_dict(
     kind: str,
+    hyper: _Hyper,
     params: Sequence[_Param],
     n_groups: int,
     *,
@@ -215,6 +341,7 @@ def _optimizer_dict(
     lrs: Sequence[float],
     keyed: str,
     overrides: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    lacking: str | None = None,
 ) -> dict[str, Any]:
     """A nested optimizer state dict over ``params`` (fqn- or id-keyed)."""
     overrides = overrides or {}
@@ -228,9 +355,23 @@ def _optimizer_dict(
                 state[ids[p.fqn]] = entry
     groups = []
     for g in range(n_groups):
-        members = [ids[p.fqn] for p in params if p.group == g]
-        groups.append({**_hyperparameters(kind, g, lrs[g]), "params": members})
+        group = _hyperparameters(kind, hyper, g, lrs[g])
+        if lacking is not None:
+            del group[lacking]
+        group["params"] = [ids[p.fqn] for p in params if p.group == g]
+        groups.append(group)
     return {"state": state, "param_groups": groups}
+
+
+def _model_dict(
+    params: Sequence[_Param],
+    fill: float = 0.0,
+    overrides: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> dict[str, Any]:
+    overrides = overrides or {}
+    return {
+        p.fqn: _tensor(*overrides.get(p.fqn, (p.shape, p.dtype)), fill, meta=p.meta) for p in params
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -238,19 +379,31 @@ def _optimizer_dict(
 
 
 def model_state_dicts(
-    *, min_params: int = 0, max_params: int = 6
-) -> st.SearchStrategy[dict[str, Any]]:
-    """Flat model state dicts ``{fqn: tensor}`` with small shapes and mixed dtypes.
+    *,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    allow_meta: bool = False,
+    min_params: int = 0,
+    max_params: int = 6,
+) -> st.SearchStrategy[dict[str, torch.Tensor]]:
+    """Flat model state dicts ``{fqn: tensor}`` (``model.state_dict()``, safetensors files).
+
+    Args:
+        dtypes: Parameter dtypes to draw from (floating-point torch dtypes).
+        allow_meta: Also draw model-sized shapes, as meta tensors.
+        min_params: Fewest parameters.
+        max_params: Most parameters.
 
     Example:
+        >>> import torch
         >>> from dsdmerge.strategies import model_state_dicts
-        >>> all(isinstance(k, str) for k in model_state_dicts().example())
+        >>> sd = model_state_dicts(min_params=1).example()
+        >>> all(isinstance(v, torch.Tensor) for v in sd.values())
         True
     """
+    config = _Config(_check_dtypes(dtypes), allow_meta)
+    _check_bool("allow_meta", allow_meta)
     _check_bounds("params", min_params, max_params)
-    return _params(min_params, max_params, 0, 0).map(
-        lambda ps: {p.fqn: _tensor(p.shape, p.dtype) for p in ps}
-    )
+    return _params(config, min_params, max_params, 1, 1).map(lambda ps: _model_dict(ps.params))
 
 
 def optimizer_state_dicts(
@@ -258,6 +411,8 @@ def optimizer_state_dicts(
     layout: str = "nested",
     keyed: str = "fqn",
     optimizers: Sequence[str] = OPTIMIZERS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    allow_meta: bool = False,
     min_params: int = 0,
     max_params: int = 6,
     min_groups: int = 1,
@@ -265,16 +420,21 @@ def optimizer_state_dicts(
 ) -> st.SearchStrategy[dict[Any, Any]]:
     """Optimizer state dicts: nested (fqn- or id-keyed) or DSD-flattened.
 
-    Some parameters have no state (never got a gradient), as in real checkpoints.
+    Some parameters have no state (they never got a gradient), as in real
+    checkpoints; each optimizer is one kind, with per-group learning rates and
+    weight decays.
 
     Args:
         layout: ``"nested"`` or ``"flat"`` (``flatten_optimizer_state_dict=True``).
         keyed: ``"fqn"`` (``get_optimizer_state_dict``) or ``"id"``
-            (``optimizer.state_dict()``); nested layout only.
+            (``optimizer.state_dict()``); ``"id"`` needs ``layout="nested"``.
         optimizers: Optimizer kinds to draw from (see :data:`OPTIMIZERS`).
+        dtypes: Parameter dtypes to draw from.
+        allow_meta: Also draw model-sized shapes, as meta tensors.
         min_params: Fewest parameters.
         max_params: Most parameters.
-        min_groups: Fewest param groups (at least 1).
+        min_groups: Fewest param groups (at least 1; more than the parameters
+            gives empty groups).
         max_groups: Most param groups.
 
     Example:
@@ -287,38 +447,81 @@ def optimizer_state_dicts(
     if keyed == "id" and layout == "flat":
         raise InvalidArgument("keyed='id' needs layout='nested': DSD flattens fqn-keyed state")
     kinds = _check_optimizers(optimizers)
+    config = _Config(_check_dtypes(dtypes), allow_meta)
+    _check_bool("allow_meta", allow_meta)
     _check_bounds("params", min_params, max_params)
     _check_bounds("groups", min_groups, max_groups, floor=1)
+    return _optimizers(config, kinds, keyed, min_params, max_params, min_groups, max_groups).map(
+        flatten if layout == "flat" else lambda osd: osd
+    )
 
-    @st.composite
-    def build(draw: st.DrawFn) -> dict[Any, Any]:
-        kind = draw(st.sampled_from(kinds))
-        params = draw(_params(min_params, max_params, min_groups, max_groups))
-        n_groups = max([p.group for p in params], default=min_groups - 1) + 1
-        n_groups = max(n_groups, 1)
-        stateful = {p.fqn for p in params if draw(st.booleans())}
-        lrs = [draw(st.sampled_from((1e-3, 5e-4, 5e-5))) for _ in range(n_groups)]
-        osd = _optimizer_dict(
-            kind,
-            params,
-            n_groups,
-            stateful=stateful,
-            step=draw(st.integers(1, 9)),
-            lrs=lrs,
-            keyed=keyed,
-        )
-        return flatten(osd) if layout == "flat" else osd
 
-    return build()
+@st.composite
+def _optimizers(
+    draw: st.DrawFn,
+    config: _Config,
+    kinds: tuple[str, ...],
+    keyed: str,
+    min_params: int,
+    max_params: int,
+    min_groups: int,
+    max_groups: int,
+    params: _Params | None = None,
+) -> dict[Any, Any]:
+    kind = draw(_choice(kinds))
+    if params is None:
+        params = draw(_params(config, min_params, max_params, min_groups, max_groups))
+    stateful = {p.fqn for p in params.params if draw(_bools)}
+    return _optimizer_dict(
+        kind,
+        draw(_hypers),
+        params.params,
+        params.n_groups,
+        stateful=stateful,
+        step=draw(_ints(1, 9)),
+        lrs=[draw(_choice(_FRESH_LRS)) for _ in range(params.n_groups)],
+        keyed=keyed,
+    )
+
+
+@st.composite
+def _checkpoints(
+    draw: st.DrawFn,
+    config: _Config,
+    kinds: tuple[str, ...],
+    keyed: str,
+    min_params: int,
+    max_params: int,
+) -> dict[str, Any]:
+    """``{"model": ..., "optim": ..., "step": int}`` over one set of parameters."""
+    params = draw(_params(config, min_params, max_params, 1, 3))
+    optim = draw(_optimizers(config, kinds, keyed, 0, 0, 1, 1, params=params))
+    return {
+        "model": _model_dict(params.params),
+        "optim": optim,
+        "step": draw(_ints(0, 10**6)),
+    }
 
 
 def flat_state_dicts(
-    *, kind: str = "optimizer", min_params: int = 0, max_params: int = 6
+    *,
+    kind: str = "optimizer",
+    optimizers: Sequence[str] = OPTIMIZERS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    allow_meta: bool = False,
+    min_params: int = 0,
+    max_params: int = 6,
 ) -> st.SearchStrategy[dict[str, Any]]:
     """Flat state dicts: DSD-flattened optimizer dicts, model dicts, or flattened checkpoints.
 
     Args:
-        kind: ``"optimizer"``, ``"model"`` or ``"checkpoint"`` (model + optimizer + scalars).
+        kind: ``"optimizer"`` (``flatten_optimizer_state_dict=True``), ``"model"``
+            (``{fqn: tensor}``) or ``"checkpoint"`` (a whole checkpoint,
+            ``{"model": ..., "optim": ..., "step": ...}``, flattened with dots
+            the way DCP's metadata spells its keys).
+        optimizers: Optimizer kinds to draw from.
+        dtypes: Parameter dtypes to draw from.
+        allow_meta: Also draw model-sized shapes, as meta tensors.
         min_params: Fewest parameters.
         max_params: Most parameters.
 
@@ -329,18 +532,41 @@ def flat_state_dicts(
         <Layout.FLAT: 'flat'>
     """
     _check_choice("kind", kind, _KINDS)
-    return nested_state_dicts(kind=kind, min_params=min_params, max_params=max_params).map(flatten)
+    _check_optimizers(optimizers)
+    if kind == "model":
+        return model_state_dicts(
+            dtypes=dtypes, allow_meta=allow_meta, min_params=min_params, max_params=max_params
+        )
+    return nested_state_dicts(
+        kind=kind,
+        optimizers=optimizers,
+        dtypes=dtypes,
+        allow_meta=allow_meta,
+        min_params=min_params,
+        max_params=max_params,
+    ).map(flatten)
 
 
 def nested_state_dicts(
-    *, kind: str = "optimizer", keyed: str = "fqn", min_params: int = 0, max_params: int = 6
+    *,
+    kind: str = "optimizer",
+    keyed: str = "fqn",
+    optimizers: Sequence[str] = OPTIMIZERS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    allow_meta: bool = False,
+    min_params: int = 0,
+    max_params: int = 6,
 ) -> st.SearchStrategy[dict[Any, Any]]:
     """Nested state dicts: optimizer dicts, nested model dicts, or whole checkpoints.
 
     Args:
         kind: ``"optimizer"`` (fqn- or id-keyed), ``"model"`` (``{"model": {fqn: tensor}}``)
-            or ``"checkpoint"`` (``{"model": ..., "optim": ..., "step": int}``).
+            or ``"checkpoint"`` (``{"model": ..., "optim": ..., "step": int}``, model
+            and optimizer over the same parameters).
         keyed: ``"fqn"`` or ``"id"``, for the optimizer parts.
+        optimizers: Optimizer kinds to draw from.
+        dtypes: Parameter dtypes to draw from.
+        allow_meta: Also draw model-sized shapes, as meta tensors.
         min_params: Fewest parameters.
         max_params: Most parameters.
 
@@ -352,16 +578,17 @@ def nested_state_dicts(
     """
     _check_choice("kind", kind, _KINDS)
     _check_choice("keyed", keyed, _KEYED)
+    kinds = _check_optimizers(optimizers)
+    config = _Config(_check_dtypes(dtypes), allow_meta)
+    _check_bool("allow_meta", allow_meta)
     _check_bounds("params", min_params, max_params)
-    optim = optimizer_state_dicts(keyed=keyed, min_params=min_params, max_params=max_params)
-    model = model_state_dicts(min_params=min_params, max_params=max_params)
     if kind == "optimizer":
-        return optim
+        return _optimizers(config, kinds, keyed, min_params, max_params, 1, 3)
     if kind == "model":
-        return model.map(lambda m: {"model": m})
-    return st.builds(
-        lambda m, o, s: {"model": m, "optim": o, "step": s}, model, optim, st.integers(0, 10**6)
-    )
+        return model_state_dicts(
+            dtypes=dtypes, allow_meta=allow_meta, min_params=min_params, max_params=max_params
+        ).map(lambda m: {"model": m})
+    return _checkpoints(config, kinds, keyed, min_params, max_params)
 
 
 def checkpoint_pairs(
@@ -370,6 +597,9 @@ def checkpoint_pairs(
     kind: str = "optimizer",
     keyed: str = "fqn",
     optimizers: Sequence[str] = OPTIMIZERS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    allow_meta: bool = False,
+    allow_new_hyperparameters: bool = False,
     min_params: int = 1,
     max_params: int = 6,
     min_groups: int = 1,
@@ -385,23 +615,35 @@ def checkpoint_pairs(
 
     The reference looks like a fresh optimizer after DSD's initialisation (every
     parameter has state, ``step == 1``, the base learning rate); the checkpoint
-    like a trained one (scheduled learning rates, later steps). Differences, by
-    parameter:
+    like a trained one (scheduled learning rates, later steps). Differences are
+    counted in parameters, and each one drawn shows up in ``dsdmerge.diff``:
 
-    * *missing*: a parameter the checkpoint lacks entirely (a new head) or whose
+    * *missing*: a parameter the checkpoint lacks entirely (a new head), or whose
       state it lacks (it never got a gradient, like a sparse-attention indexer);
     * *unexpected*: a parameter only the checkpoint has (a removed module);
-    * *mismatched*: a parameter whose checkpoint tensors differ in shape or dtype.
+    * *mismatched*: a parameter whose checkpoint tensors differ from the
+      reference's in shape or in dtype.
+
+    The other parameters (``min_params`` to ``max_params`` of them) are the same
+    on both sides, up to the values a trained optimizer changes.
 
     Args:
         layout: ``"flat"`` or ``"nested"``; both sides share it.
-        kind: ``"optimizer"`` or ``"model"`` (flat ``{fqn: tensor}``, or
-            ``{"model": {...}}`` nested).
-        keyed: ``"fqn"`` or ``"id"`` (nested optimizers only; id-keyed pairs have
-            no new or removed parameters, as ``Optimizer.load_state_dict`` demands).
-        optimizers: Optimizer kinds to draw from.
-        min_params: Fewest parameters shared by both sides.
-        max_params: Most parameters shared by both sides.
+        kind: ``"optimizer"`` or ``"model"`` (``{fqn: tensor}`` flat, ``{"model": {...}}``
+            nested).
+        keyed: ``"fqn"`` or ``"id"`` (nested optimizers only). Id-keyed pairs have
+            no new or removed parameters, as ``Optimizer.load_state_dict`` demands:
+            their missing parameters are ones without state.
+        optimizers: Optimizer kinds to draw from; stateless ``"sgd"`` is drawn
+            only when the bounds allow a pair without tensors in its state.
+        dtypes: Parameter dtypes to draw from.
+        allow_meta: Also draw model-sized shapes, as meta tensors.
+        allow_new_hyperparameters: Let the reference's param groups have a
+            hyperparameter the checkpoint's lack, as when a newer torch added one
+            (Adam's ``decoupled_weight_decay``): missing keys beyond the counted
+            parameters.
+        min_params: Fewest parameters without differences (besides mismatches).
+        max_params: Most parameters without differences (besides mismatches).
         min_groups: Fewest param groups.
         max_groups: Most param groups.
         min_missing: Fewest missing parameters.
@@ -414,99 +656,140 @@ def checkpoint_pairs(
     Example:
         >>> import dsdmerge as dm
         >>> from dsdmerge.strategies import checkpoint_pairs
-        >>> ckpt, ref = checkpoint_pairs().example()
-        >>> dm.classify(ckpt) == dm.classify(ref) == "flat"
-        True
+        >>> ckpt, ref = checkpoint_pairs(min_missing=1).example()
+        >>> dm.classify(ckpt) == dm.classify(ref) == "flat", bool(dm.diff(ckpt, ref).missing)
+        (True, True)
     """
     _check_choice("layout", layout, _LAYOUTS)
     _check_choice("kind", kind, ("optimizer", "model"))
     _check_choice("keyed", keyed, _KEYED)
     kinds = _check_optimizers(optimizers)
+    config = _Config(_check_dtypes(dtypes), allow_meta)
+    _check_bool("allow_meta", allow_meta)
+    _check_bool("allow_new_hyperparameters", allow_new_hyperparameters)
     _check_bounds("params", min_params, max_params)
     _check_bounds("groups", min_groups, max_groups, floor=1)
     _check_bounds("missing", min_missing, max_missing)
     _check_bounds("unexpected", min_unexpected, max_unexpected)
     _check_bounds("mismatched", min_mismatched, max_mismatched)
     if min_mismatched > max_params:
-        raise InvalidArgument(f"min_mismatched={min_mismatched} exceeds max_params={max_params}")
+        raise InvalidArgument(
+            f"min_mismatched={min_mismatched} exceeds max_params={max_params}: mismatched "
+            "parameters are among the parameters both sides have"
+        )
     if keyed == "id":
         if layout == "flat" or kind != "optimizer":
             raise InvalidArgument("keyed='id' needs layout='nested' and kind='optimizer'")
         if min_unexpected:
-            raise InvalidArgument("keyed='id' pairs cannot have unexpected parameters")
+            raise InvalidArgument(
+                "keyed='id' pairs cannot have unexpected parameters: Optimizer.load_state_dict "
+                "maps int ids by position"
+            )
         max_unexpected = 0
-    if min_missing > max_params and keyed == "id":
-        raise InvalidArgument("keyed='id' pairs can only miss state of shared parameters")
+    if kind == "optimizer" and (min_mismatched or (keyed == "id" and min_missing)):
+        kinds = tuple(k for k in kinds if k in _STATEFUL)  # stateless SGD has no tensors
+        if not kinds:
+            raise InvalidArgument(
+                "optimizers=('sgd',) has no state, so it can have no mismatched tensors and "
+                "(keyed='id') no missing state; add a stateful optimizer kind"
+            )
+    return _pairs(
+        config,
+        layout=layout,
+        kind=kind,
+        keyed=keyed,
+        kinds=kinds,
+        allow_new_hyperparameters=allow_new_hyperparameters,
+        params=(min_params, max_params),
+        groups=(min_groups, max_groups),
+        missing=(min_missing, max_missing),
+        unexpected=(min_unexpected, max_unexpected),
+        mismatched=(min_mismatched, max_mismatched),
+    )
 
-    @st.composite
-    def build(draw: st.DrawFn) -> tuple[dict[Any, Any], dict[Any, Any]]:
-        opt_kind = draw(st.sampled_from(kinds))
-        n_missing = draw(st.integers(min_missing, max_missing))
-        n_unexpected = draw(st.integers(min_unexpected, max_unexpected))
-        low = max(min_params + n_missing + n_unexpected, min_mismatched, 1)
-        high = max(low, max_params + n_missing + n_unexpected)
-        universe = draw(_params(low, high, min_groups, max_groups))
-        n_groups = max(p.group for p in universe) + 1
-        fq = [p.fqn for p in universe]
-        shuffled = draw(st.permutations(fq))
-        unexpected = set(shuffled[:n_unexpected])
-        rest = shuffled[n_unexpected:]
-        new_params: set[str] = set()
-        no_grad: set[str] = set()
-        for name in rest[:n_missing]:
-            if keyed == "id" or opt_kind == "sgd" or draw(st.booleans()):
-                (no_grad if keyed == "id" or kind == "optimizer" else new_params).add(name)
-            else:
-                new_params.add(name)
-        if kind == "model":
-            new_params |= no_grad
-            no_grad = set()
-        shared = [f for f in rest[n_missing:] if f not in new_params]
-        n_mismatched = draw(
-            st.integers(min(min_mismatched, len(shared)), min(max_mismatched, len(shared)))
-        )
-        mismatched = set(shared[:n_mismatched])
-        overrides = {}
-        for p in universe:
-            if p.fqn in mismatched:
-                if draw(st.booleans()):
-                    overrides[p.fqn] = ((*p.shape, 2), p.dtype)
-                else:
-                    other = torch.float64 if p.dtype != torch.float64 else torch.float32
-                    overrides[p.fqn] = (p.shape, other)
-        ref_params = [p for p in universe if p.fqn not in unexpected]
-        ckpt_params = [p for p in universe if p.fqn not in new_params]
-        if kind == "model":
-            reference = {p.fqn: _tensor(p.shape, p.dtype) for p in ref_params}
-            checkpoint = {
-                p.fqn: _tensor(*overrides.get(p.fqn, (p.shape, p.dtype)), fill=1.0)
-                for p in ckpt_params
-            }
-            if layout == "nested":
-                return {"model": checkpoint}, {"model": reference}
-            return checkpoint, reference
-        lrs = [draw(st.sampled_from((5e-4, 5e-5, 1e-5))) for _ in range(n_groups)]
-        reference = _optimizer_dict(
-            opt_kind,
-            ref_params,
-            n_groups,
-            stateful={p.fqn for p in ref_params},
-            step=1,
-            lrs=[1e-3] * n_groups,
-            keyed=keyed,
-        )
-        checkpoint = _optimizer_dict(
-            opt_kind,
-            ckpt_params,
-            n_groups,
-            stateful={p.fqn for p in ckpt_params if p.fqn not in no_grad},
-            step=draw(st.integers(2, 9)),
-            lrs=lrs,
-            keyed=keyed,
-            overrides=overrides,
-        )
-        if layout == "flat":
-            return flatten(checkpoint), flatten(reference)
+
+@st.composite
+def _pairs(
+    draw: st.DrawFn,
+    config: _Config,
+    *,
+    layout: str,
+    kind: str,
+    keyed: str,
+    kinds: tuple[str, ...],
+    allow_new_hyperparameters: bool,
+    params: tuple[int, int],
+    groups: tuple[int, int],
+    missing: tuple[int, int],
+    unexpected: tuple[int, int],
+    mismatched: tuple[int, int],
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    opt_kind = draw(_choice(kinds))
+    stateless = kind == "optimizer" and opt_kind not in _STATEFUL
+    # Id-keyed stateless optimizers have no way to miss anything; no kind of SGD can mismatch.
+    n_missing = draw(_ints(missing[0], 0 if stateless and keyed == "id" else missing[1]))
+    n_unexpected = draw(_ints(*unexpected))
+    n_mismatched = draw(_ints(mismatched[0], 0 if stateless else mismatched[1]))
+    n_changed = n_missing + n_unexpected
+    low = max(params[0], n_mismatched) + n_changed
+    universe = draw(_params(config, low, max(low, params[1] + n_changed), *groups))
+    names = draw(st.permutations([p.fqn for p in universe.params]))
+    removed = set(names[:n_unexpected])
+    missed = names[n_unexpected : n_unexpected + n_missing]
+    new_params: set[str] = set()
+    no_grad: set[str] = set()
+    for name in missed:
+        if kind == "model" or stateless:
+            new_params.add(name)  # nothing to miss but the whole parameter
+        elif keyed == "id" or draw(_bools):
+            no_grad.add(name)  # in the optimizer, but without state
+        else:
+            new_params.add(name)
+    shared = names[n_unexpected + n_missing :]
+    overrides = {}
+    by_fqn = {p.fqn: p for p in universe.params}
+    for name in shared[:n_mismatched]:
+        p = by_fqn[name]
+        if draw(_bools):
+            overrides[name] = ((*p.shape, 2), p.dtype)
+        else:
+            overrides[name] = (
+                p.shape,
+                torch.float64 if p.dtype != torch.float64 else torch.float32,
+            )
+    ref_params = [p for p in universe.params if p.fqn not in removed]
+    ckpt_params = [p for p in universe.params if p.fqn not in new_params]
+    if kind == "model":
+        reference = _model_dict(ref_params)
+        checkpoint = _model_dict(ckpt_params, 1.0, overrides)
+        if layout == "nested":
+            return {"model": checkpoint}, {"model": reference}
         return checkpoint, reference
-
-    return build()
+    hyper = draw(_hypers)
+    n_groups = universe.n_groups
+    reference = _optimizer_dict(
+        opt_kind,
+        hyper,
+        ref_params,
+        n_groups,
+        stateful={p.fqn for p in ref_params},
+        step=1,
+        lrs=[1e-3] * n_groups,
+        keyed=keyed,
+    )
+    old_torch = allow_new_hyperparameters and draw(_bools)
+    checkpoint = _optimizer_dict(
+        opt_kind,
+        hyper,
+        ckpt_params,
+        n_groups,
+        stateful={p.fqn for p in ckpt_params if p.fqn not in no_grad},
+        step=draw(_ints(2, 9)),
+        lrs=[draw(_choice(_TRAINED_LRS)) for _ in range(n_groups)],
+        keyed=keyed,
+        overrides=overrides,
+        lacking=_NEW_HYPERPARAMETERS[opt_kind] if old_torch else None,
+    )
+    if layout == "flat":
+        return flatten(checkpoint), flatten(reference)
+    return checkpoint, reference

@@ -1,4 +1,8 @@
-"""The laws of merge, diff and flatten, on state dicts from dsdmerge.strategies."""
+"""The laws of merge, diff and flatten, on state dicts from the public dsdmerge.strategies.
+
+Profiles (tests/conftest.py): ``dev`` (default) runs each law on 60 examples,
+``HYPOTHESIS_PROFILE=fuzz`` on 10,000.
+"""
 
 from __future__ import annotations
 
@@ -11,62 +15,149 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dsdmerge as dm
-from dsdmerge.strategies import checkpoint_pairs, flat_state_dicts, nested_state_dicts
+from dsdmerge.strategies import (
+    checkpoint_pairs,
+    flat_state_dicts,
+    model_state_dicts,
+    nested_state_dicts,
+    optimizer_state_dicts,
+)
 
-# Shape mismatches raise under every built-in policy; the laws are about what merges.
+# Shape mismatches raise under every built-in policy; most laws are about what merges.
 MERGING = dm.DEFAULT.replace(shape="ignore")
 
-pairs = st.one_of(
-    checkpoint_pairs(layout="flat"),
-    checkpoint_pairs(layout="nested"),
-    checkpoint_pairs(layout="nested", keyed="id"),
-    checkpoint_pairs(layout="flat", kind="model"),
-    checkpoint_pairs(layout="nested", kind="model"),
+
+def _pairs(**kw):
+    return st.one_of(
+        checkpoint_pairs(layout="flat", **kw),
+        checkpoint_pairs(layout="nested", **kw),
+        checkpoint_pairs(layout="nested", keyed="id", **kw, max_unexpected=0),
+        checkpoint_pairs(layout="flat", kind="model", **kw),
+        checkpoint_pairs(layout="nested", kind="model", **kw),
+        checkpoint_pairs(layout="nested", allow_meta=True, allow_new_hyperparameters=True, **kw),
+        checkpoint_pairs(layout="flat", allow_meta=True, allow_new_hyperparameters=True, **kw),
+    )
+
+
+pairs = _pairs()
+nested = st.one_of(
+    nested_state_dicts(),
+    nested_state_dicts(keyed="id"),
+    nested_state_dicts(kind="checkpoint", allow_meta=True),
+    nested_state_dicts(kind="model"),
 )
-no_mismatch_pairs = st.one_of(
-    checkpoint_pairs(layout="flat", max_mismatched=0),
-    checkpoint_pairs(layout="nested", max_mismatched=0),
-    checkpoint_pairs(layout="nested", keyed="id", max_mismatched=0),
+globs = st.lists(
+    st.sampled_from(["state.*", "param_groups.*", "*.indexer.*", "*.weight*", "model.*", "*.lr"]),
+    max_size=2,
 )
 
 
-@given(no_mismatch_pairs)
-def test_idempotence(pair):
-    c, r = pair
-    once = dm.merge(c, r)
-    assert same_tree(dm.merge(once, r), once)
+def flat(sd):
+    return dm.flatten(sd)
 
 
-@given(no_mismatch_pairs)
-def test_checkpoint_precedence_every_checkpoint_leaf_is_kept_by_identity(pair):
+def _shape_taken(merged):
+    return {m.key for m in merged.diff.mismatched if m.shape_differs}
+
+
+# -- merge -----------------------------------------------------------------------------
+
+
+@given(pairs, st.booleans())
+def test_idempotence(pair, drop):
     c, r = pair
-    out = dm.merge(c, r)
-    kept = {id(x) for x in leaves(out)}
-    assert all(id(x) in kept for x in leaves(c))
-    flat_c, flat_out = dm.flatten(c), dm.flatten(out)
-    backfilled_groups = {k for k in flat_out if k not in flat_c and k.startswith("param_groups.")}
-    assert all(flat_out[k] is v for k, v in flat_c.items())
-    assert backfilled_groups <= set(dm.diff(c, r).missing)
+    policy = MERGING.replace(drop_unexpected=drop)
+    once = dm.merge(c, r, policy=policy)
+    assert same_tree(dm.merge(once, r, policy=policy), once)
 
 
 @given(pairs)
-def test_completeness_result_keys_are_the_union(pair):
+def test_merging_a_state_dict_over_itself_gives_it_back(pair):
+    for sd in pair:
+        out = dm.merge(sd, sd, policy="strict")
+        assert same_tree(out, sd)
+        assert out is not sd
+
+
+@given(pairs)
+def test_checkpoint_precedence_by_identity(pair):
     c, r = pair
-    out = dm.merge(c, r, policy=MERGING)
-    assert set(dm.flatten(out)) == set(dm.flatten(c)) | set(dm.flatten(r))
+    merged = dm.merge_with_diff(c, r, policy=MERGING)
+    out, fc, fr = flat(merged.state_dict), flat(c), flat(r)
+    taken = _shape_taken(merged)
+    # every checkpoint value is kept, the very object, unless torch would reject its shape
+    assert all(out[k] is v for k, v in fc.items() if k not in taken)
+    assert all(out[k] is fr[k] for k in taken)
+    # everything else comes from the reference, the very object (hyperparameters: see below)
+    assert all(out[k] is fr[k] for k in fr.keys() - fc.keys() if not k.startswith("param_groups."))
+    # and every checkpoint leaf is somewhere in the result
+    kept = {id(x) for x in leaves(merged.state_dict)}
+    assert all(id(x) in kept for x in leaves(c) if id(x) not in {id(fc[k]) for k in taken})
 
 
-@given(pairs, st.sampled_from(["default", "warn", MERGING]))
-def test_purity_inputs_are_unchanged_deeply(pair, policy):
+def _group_filled(out, fc, fr):
+    """Keys of ``out`` in neither input: hyperparameters a kept unexpected parameter takes
+    from its nested group (one value per group), which the reference added to the group."""
+    extra = out.keys() - fc.keys() - fr.keys()
+    unexpected = _hyperparameters(fc).keys() - _hyperparameters(fr).keys()
+    for key in extra:
+        assert key.startswith("param_groups."), key
+        assert key[len("param_groups.") :].rpartition(".")[0] in unexpected, key
+    return extra
+
+
+@given(pairs, st.booleans())
+def test_completeness(pair, drop):
+    c, r = pair
+    out = dm.merge(c, r, policy=MERGING.replace(drop_unexpected=drop))
+    fo, fc, fr = flat(out), flat(c), flat(r)
+    expected = set(fr) if drop else set(fc) | set(fr)
+    extra = _group_filled(fo, fc, fr)
+    assert set(fo) - extra == expected
+    assert not extra or dm.classify(out) == "nested"
+
+
+@given(pairs, st.sampled_from(["default", "warn", "strict", MERGING]))
+def test_deep_purity(pair, policy):
     c, r = pair
     snaps = Snapshot(c), Snapshot(r)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with contextlib.suppress(dm.MergeError):
             dm.merge(c, r, policy=policy)
+        with contextlib.suppress(dm.MergeError):
+            dm.merge_with_diff(c, r, policy=policy)
+        with contextlib.suppress(dm.MergeError):
+            dm.check(c, r, policy=policy)
         dm.diff(c, r)
-        dm.flatten(c)
+        dm.classify(c)
+        fc = dm.flatten(c)
+        with contextlib.suppress(dm.LayoutError):  # c may have params r has no place for
+            dm.unflatten(fc, like=r if dm.classify(r) == "nested" else None)
+        if dm.classify(c) == "nested":
+            dm.unflatten(fc, like=c)
     assert all(s.unchanged() for s in snaps)
+
+
+@given(pairs)
+def test_results_share_no_container_with_the_inputs(pair):
+    c, r = pair
+    out = dm.merge(c, r, policy=MERGING)
+    ids_in = {id(node) for sd in pair for node in _containers(sd)}
+    assert not ids_in & {id(node) for node in _containers(out)}
+
+
+def _containers(tree):
+    stack, out = [tree], []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            out.append(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            out.append(node)
+            stack.extend(node)
+    return out
 
 
 @given(pairs)
@@ -75,77 +166,167 @@ def test_layout_preservation(pair):
     assert dm.classify(dm.merge(c, r, policy=MERGING)) is dm.classify(c)
 
 
-@given(
-    st.one_of(
-        nested_state_dicts(), nested_state_dicts(keyed="id"), nested_state_dicts(kind="checkpoint")
-    )
-)
-def test_flatten_round_trip_with_like(x):
-    assert same_tree(dm.unflatten(dm.flatten(x), like=x), x)
-
-
-@given(flat_state_dicts())
-def test_unflatten_round_trip_without_like_on_dsd_flat_dicts(flat):
-    back = dm.flatten(dm.unflatten(flat))
-    assert back.keys() == flat.keys()
-    assert all(back[k] is v for k, v in flat.items())
-
-
 @given(pairs)
 def test_merge_commutes_with_flatten(pair):
     c, r = pair
-    via_nested = dm.flatten(dm.merge(c, r, policy=MERGING))
-    via_flat = dm.merge(dm.flatten(c), dm.flatten(r), policy=MERGING)
-    assert via_nested.keys() == via_flat.keys()
+    via_nested = flat(dm.merge(c, r, policy=MERGING))
+    via_flat = dm.merge(flat(c), flat(r), policy=MERGING)
+    assert via_nested.keys() - _group_filled(via_nested, flat(c), flat(r)) == via_flat.keys()
     assert all(via_nested[k] is via_flat[k] for k in via_flat)
 
 
 @given(pairs)
-def test_diff_is_the_same_whatever_the_layout(pair):
+def test_a_flat_checkpoint_merges_over_a_nested_reference_like_over_its_flat_form(pair):
     c, r = pair
-    assert dm.diff(c, r) == dm.diff(dm.flatten(c), dm.flatten(r))
-    assert dm.merge_with_diff(c, r, policy=MERGING).diff == dm.diff(c, r)
+    assert dm.merge(flat(c), r, policy=MERGING) == dm.merge(flat(c), flat(r), policy=MERGING)
+
+
+def _hyperparameters(f):
+    """{param id: {name: value}} from the param_groups.* keys of a flat dict, in key order."""
+    out = {}
+    for key, value in f.items():
+        if key.startswith("param_groups."):
+            pid, _, name = key[len("param_groups.") :].rpartition(".")
+            out.setdefault(pid, {})[name] = value
+    return out
+
+
+@given(pairs)
+def test_backfilled_hyperparameters_are_the_checkpoints_for_that_group(pair):
+    """A new parameter takes the checkpoint's (scheduled) hyperparameters of its group.
+
+    That is, the value the checkpoint has for the first member of the parameter's
+    reference group that the checkpoint has; the reference's value only when the
+    checkpoint has no member of the group. The oracle is independent of
+    dsdmerge: the strategies give each group its own weight decay, on both sides,
+    so a parameter's group is its weight decay.
+    """
+    c, r = pair
+    out, fc = flat(dm.merge(c, r, policy=MERGING)), flat(c)
+    ref = _hyperparameters(flat(r))
+    for pid, values in ref.items():
+        group = [m for m, v in ref.items() if v["weight_decay"] == values["weight_decay"]]
+        for name, ref_value in values.items():
+            from_group = (fc.get(f"param_groups.{m}.{name}", dm) for m in group)
+            expected = next((v for v in from_group if v is not dm), ref_value)
+            key = f"param_groups.{pid}.{name}"
+            assert out[key] is fc.get(key, expected), key
+
+
+# -- diff ------------------------------------------------------------------------------
 
 
 @given(pairs)
 def test_diff_symmetry(pair):
     c, r = pair
     forward, backward = dm.diff(c, r), dm.diff(r, c)
-    assert set(forward.missing) == set(backward.unexpected)
-    assert set(forward.unexpected) == set(backward.missing)
-    assert set(forward.mismatched_keys) == set(backward.mismatched_keys)
+    assert forward.missing == backward.unexpected
+    assert forward.unexpected == backward.missing
+    assert forward.mismatched_keys == backward.mismatched_keys
+    for m, n in zip(forward.mismatched, backward.mismatched, strict=True):
+        assert (m.checkpoint, m.reference) == (n.reference, n.checkpoint)
 
 
-@given(
-    pairs,
-    st.lists(
-        st.sampled_from(["state.*", "param_groups.*", "*.indexer.*", "*.weight*", "model.*"]),
-        max_size=2,
-    ),
-)
-def test_strict_raises_iff_a_not_allowed_difference_exists(pair, globs):
+@given(pairs)
+def test_diff_is_the_same_whatever_the_layout_and_whichever_function(pair):
     c, r = pair
     d = dm.diff(c, r)
-    policy = dm.STRICT.replace(allow_missing=globs, allow_unexpected=globs, conflict="ignore")
-    bad = (
-        any(not policy.allows_missing(k) for k in d.missing)
-        or any(not policy.allows_unexpected(k) for k in d.unexpected)
-        or bool(d.mismatched)
-    )
-    if bad:
-        with pytest.raises(dm.MergeError):
-            dm.merge(c, r, policy=policy)
-    else:
-        dm.merge(c, r, policy=policy)
+    assert d == dm.diff(flat(c), flat(r))
+    assert d == dm.diff(flat(c), r)
+    assert dm.merge_with_diff(c, r, policy=MERGING).diff == d
+    assert dm.check(c, r, policy=MERGING) == d
 
 
-@given(checkpoint_pairs(layout="flat", max_mismatched=0, max_unexpected=0))
-def test_backfilled_hyperparameters_are_group_consistent(pair):
+@given(pairs)
+def test_diff_names_exactly_the_keys_that_differ(pair):
     c, r = pair
-    out = dm.merge(c, r)
-    nested = dm.unflatten(out)  # raises if members of a group disagree
-    by_fqn = {p: g for g in nested["param_groups"] for p in g["params"]}
-    for key in dm.diff(c, r).missing:
-        if key.startswith("param_groups."):
-            fqn, _, name = key[len("param_groups.") :].rpartition(".")
-            assert by_fqn[fqn][name] == out[key]
+    d, fc, fr = dm.diff(c, r), flat(c), flat(r)
+    assert set(d.missing) == fr.keys() - fc.keys()
+    assert set(d.unexpected) == fc.keys() - fr.keys()
+    tensors = {k for k in fc.keys() & fr.keys() if hasattr(fc[k], "shape")}
+    differ = {k for k in tensors if (fc[k].shape, fc[k].dtype) != (fr[k].shape, fr[k].dtype)}
+    assert set(d.mismatched_keys) == differ
+    assert len(d.missing) == len(set(d.missing))  # and each once
+
+
+# -- policies ----------------------------------------------------------------------------
+
+
+def _not_allowed(d, policy):
+    return (
+        [k for k in d.missing if not policy.allows_missing(k)],
+        [k for k in d.unexpected if not policy.allows_unexpected(k)],
+    )
+
+
+@given(pairs, globs)
+def test_strict_raises_iff_a_not_allowed_difference_exists(pair, allow):
+    c, r = pair
+    d = dm.diff(c, r)
+    policy = dm.STRICT.replace(allow_missing=allow, allow_unexpected=allow)
+    missing, unexpected = _not_allowed(d, policy)
+    if missing or unexpected or d.mismatched:
+        for call in (dm.merge, dm.check):
+            with pytest.raises(dm.MergeError) as info:
+                call(c, r, policy=policy)
+            assert info.value.diff == d
+            text = str(info.value)
+            assert all(k in text for k in sorted(missing)[:10] + sorted(unexpected)[:10])
+    else:
+        assert same_tree(dm.merge(c, r, policy=policy), dm.merge(c, r))
+        assert dm.check(c, r, policy=policy) == d
+
+
+@given(_pairs(max_mismatched=0), globs)
+def test_warn_warns_iff_default_would_backfill_or_keep_something_not_allowed(pair, allow):
+    c, r = pair
+    d = dm.diff(c, r)
+    policy = dm.WARN.replace(allow_missing=allow, allow_unexpected=allow)
+    missing, unexpected = _not_allowed(d, policy)
+    dtype = [m for m in d.mismatched if m.dtype_differs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dm.merge(c, r, policy=policy)
+    texts = [str(w.message) for w in caught if issubclass(w.category, dm.DSDMergeWarning)]
+    assert len(texts) == len(caught)
+    assert any("missing from the checkpoint" in t for t in texts) == bool(missing)
+    assert any("unexpected in the checkpoint" in t for t in texts) == bool(unexpected)
+    assert any("dtype differs" in t for t in texts) == bool(dtype)
+    assert len(texts) == bool(missing) + bool(unexpected) + bool(dtype)  # one per kind
+    assert same_tree(out, dm.merge(c, r))  # and it merges exactly as the default does
+
+
+@given(pairs)
+def test_no_hyperparameter_conflicts_in_consistent_checkpoints(pair):
+    c, r = pair
+    assert dm.merge_with_diff(c, r, policy=MERGING.replace(conflict="raise")).conflicts == ()
+
+
+# -- flatten / unflatten -------------------------------------------------------------------
+
+
+@given(nested)
+def test_flatten_round_trip_with_like(sd):
+    assert same_tree(dm.unflatten(dm.flatten(sd), like=sd), sd)
+
+
+@given(st.one_of(flat_state_dicts(), flat_state_dicts(allow_meta=True)))
+def test_unflatten_round_trip_without_like_on_dsd_flat_dicts(f):
+    back = dm.flatten(dm.unflatten(f))
+    assert back.keys() == f.keys()
+    assert all(back[k] is v for k, v in f.items())
+
+
+@given(st.one_of(optimizer_state_dicts(keyed="id"), optimizer_state_dicts()))
+def test_unflatten_of_a_flat_optimizer_dict_loads_where_the_nested_one_would(osd):
+    # like= restores int ids and group membership exactly
+    assert same_tree(dm.unflatten(dm.flatten(osd), like=osd), osd)
+    assert dm.classify(dm.flatten(osd)) is dm.Layout.FLAT
+
+
+@given(st.one_of(flat_state_dicts(kind="model"), model_state_dicts(allow_meta=True)))
+def test_flat_state_dicts_flatten_to_themselves(f):
+    out = dm.flatten(f)
+    assert out == f
+    assert out is not f
+    assert all(out[k] is v for k, v in f.items())

@@ -1,0 +1,268 @@
+"""dsdmerge.strategies is public API: arguments are validated, contracts hold, examples shrink."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+import dsdmerge as dm
+from dsdmerge import strategies as ds
+
+# -- validation: every bad argument raises InvalidArgument when the strategy is built ----
+
+BAD = [
+    (ds.fqns, {"min_layers": -1}),
+    (ds.fqns, {"min_layers": 4, "max_layers": 3}),
+    (ds.fqns, {"max_layers": None}),
+    (ds.fqns, {"max_layers": 2.0}),
+    (ds.fqns, {"max_experts": -1}),
+    (ds.fqns, {"max_experts": True}),
+    (ds.model_state_dicts, {"min_params": -1}),
+    (ds.model_state_dicts, {"min_params": 3, "max_params": 2}),
+    (ds.model_state_dicts, {"max_params": None}),
+    (ds.model_state_dicts, {"dtypes": ()}),
+    (ds.model_state_dicts, {"dtypes": (torch.int64,)}),
+    (ds.model_state_dicts, {"dtypes": ("float32",)}),
+    (ds.model_state_dicts, {"dtypes": 5}),
+    (ds.model_state_dicts, {"allow_meta": 1}),
+    (ds.optimizer_state_dicts, {"layout": "tree"}),
+    (ds.optimizer_state_dicts, {"layout": None}),
+    (ds.optimizer_state_dicts, {"keyed": "name"}),
+    (ds.optimizer_state_dicts, {"keyed": "id", "layout": "flat"}),
+    (ds.optimizer_state_dicts, {"optimizers": ()}),
+    (ds.optimizer_state_dicts, {"optimizers": ("adamw",)}),
+    (ds.optimizer_state_dicts, {"optimizers": "lion"}),
+    (ds.optimizer_state_dicts, {"optimizers": 3}),
+    (ds.optimizer_state_dicts, {"optimizers": [["adam"]]}),
+    (ds.optimizer_state_dicts, {"min_groups": 0}),
+    (ds.optimizer_state_dicts, {"min_groups": 2, "max_groups": 1}),
+    (ds.optimizer_state_dicts, {"dtypes": [torch.bool]}),
+    (ds.optimizer_state_dicts, {"allow_meta": "yes"}),
+    (ds.flat_state_dicts, {"kind": "models"}),
+    (ds.flat_state_dicts, {"kind": "model", "min_params": 2, "max_params": 1}),
+    (ds.flat_state_dicts, {"optimizers": ()}),
+    (ds.flat_state_dicts, {"dtypes": ()}),
+    (ds.flat_state_dicts, {"kind": "model", "optimizers": ("lion",)}),
+    (ds.flat_state_dicts, {"kind": "model", "allow_meta": None}),
+    (ds.nested_state_dicts, {"kind": "model", "optimizers": ()}),
+    (ds.nested_state_dicts, {"kind": "both"}),
+    (ds.nested_state_dicts, {"keyed": 0}),
+    (ds.nested_state_dicts, {"optimizers": ("sgd", "rmsprop")}),
+    (ds.nested_state_dicts, {"min_params": -2}),
+    (ds.checkpoint_pairs, {"layout": "Flat"}),
+    (ds.checkpoint_pairs, {"kind": "checkpoint"}),
+    (ds.checkpoint_pairs, {"keyed": "id"}),  # the default layout is flat
+    (ds.checkpoint_pairs, {"keyed": "id", "layout": "nested", "kind": "model"}),
+    (ds.checkpoint_pairs, {"keyed": "id", "layout": "nested", "min_unexpected": 1}),
+    (ds.checkpoint_pairs, {"min_mismatched": 7, "max_mismatched": 7}),  # > max_params=6
+    (ds.checkpoint_pairs, {"optimizers": ("sgd",), "min_mismatched": 1}),
+    (
+        ds.checkpoint_pairs,
+        {"optimizers": "sgd", "keyed": "id", "layout": "nested", "min_missing": 1},
+    ),
+    (ds.checkpoint_pairs, {"min_missing": 3, "max_missing": 2}),
+    (ds.checkpoint_pairs, {"min_unexpected": -1}),
+    (ds.checkpoint_pairs, {"max_mismatched": 1.5}),
+    (ds.checkpoint_pairs, {"min_groups": 0}),
+    (ds.checkpoint_pairs, {"min_params": 2, "max_params": 1}),
+    (ds.checkpoint_pairs, {"allow_new_hyperparameters": None}),
+    (ds.checkpoint_pairs, {"allow_meta": 0}),
+    (ds.checkpoint_pairs, {"dtypes": torch.int8}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "kwargs"), BAD, ids=[f"{s.__name__}-{k}" for s, k in BAD])
+def test_bad_arguments_raise_invalid_argument_up_front(strategy, kwargs):
+    with pytest.raises(InvalidArgument):
+        strategy(**kwargs)  # no draw needed: validation is eager
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ds.fqns,
+        ds.model_state_dicts,
+        ds.optimizer_state_dicts,
+        ds.flat_state_dicts,
+        ds.nested_state_dicts,
+        ds.checkpoint_pairs,
+    ],
+)
+def test_arguments_are_keyword_only(strategy):
+    with pytest.raises(TypeError):
+        strategy("flat")
+
+
+def test_good_edge_arguments_are_accepted():
+    ds.fqns(min_layers=2, max_layers=2, max_experts=0).example()
+    ds.optimizer_state_dicts(optimizers="adam", dtypes=torch.float64, min_params=0, max_params=0)
+    ds.checkpoint_pairs(optimizers=("sgd",), min_missing=1)  # fqn-keyed: new params are missing
+    ds.checkpoint_pairs(min_mismatched=6, max_mismatched=6, max_params=6)
+
+
+# -- contracts -------------------------------------------------------------------------
+
+
+def _param_ids(sd):
+    """Param ids (as flat-key spellings) of an optimizer state dict in either layout."""
+    if dm.is_optimizer_state_dict(sd):
+        return {str(p) for g in sd["param_groups"] for p in g["params"]}
+    return {
+        k[len("param_groups.") :].rpartition(".")[0] for k in sd if k.startswith("param_groups.")
+    }
+
+
+def _owners(keys, ids):
+    """The parameter each flat key belongs to (the longest id it names)."""
+    out = set()
+    for key in keys:
+        rest = key.split(".", 1)[1] if key.startswith(("state.", "param_groups.")) else key
+        owner = max(
+            (p for p in ids if rest == p or rest.startswith(p + ".")), key=len, default=None
+        )
+        assert owner is not None, key
+        out.add(owner)
+    return out
+
+
+PAIR_ARGS = st.fixed_dictionaries(
+    {
+        "min_missing": st.integers(0, 2),
+        "min_unexpected": st.integers(0, 2),
+        "min_mismatched": st.integers(0, 2),
+        "min_params": st.integers(1, 3),
+    }
+).map(
+    lambda d: {
+        **d,
+        "max_missing": d["min_missing"] + 1,
+        "max_unexpected": d["min_unexpected"] + 1,
+        "max_mismatched": d["min_mismatched"] + 1,
+        "max_params": d["min_params"] + 2,
+    }
+)
+
+
+@given(
+    st.data(), PAIR_ARGS, st.sampled_from(["flat", "nested"]), st.sampled_from(OPT := ds.OPTIMIZERS)
+)
+def test_checkpoint_pairs_have_the_differences_they_were_asked_for(data, args, layout, kind):
+    if kind == "sgd" and args["min_mismatched"]:
+        args = {**args, "min_mismatched": 0}
+    c, r = data.draw(ds.checkpoint_pairs(layout=layout, optimizers=(kind,), **args))
+    assert dm.classify(c) == dm.classify(r) == layout
+    ids = _param_ids(c) | _param_ids(r)
+    d = dm.diff(c, r)
+    missing, unexpected = _owners(d.missing, ids), _owners(d.unexpected, ids)
+    mismatched = _owners(d.mismatched_keys, ids)
+    assert args["min_missing"] <= len(missing) <= args["max_missing"]
+    assert args["min_unexpected"] <= len(unexpected) <= args["max_unexpected"]
+    assert args["min_mismatched"] <= len(mismatched) <= args["max_mismatched"]
+    same = ids - missing - unexpected
+    assert args["min_params"] <= len(same) <= args["max_params"]
+    assert not missing & unexpected
+
+
+@given(ds.checkpoint_pairs(layout="nested", keyed="id", min_missing=1, max_mismatched=0))
+def test_id_keyed_pairs_have_the_same_int_ids_and_group_sizes(pair):
+    c, r = pair
+    assert [g["params"] for g in c["param_groups"]] == [g["params"] for g in r["param_groups"]]
+    assert all(type(p) is int for g in r["param_groups"] for p in g["params"])
+    assert set(c["state"]) < set(r["state"])  # the missing ones have no state
+
+
+@given(ds.checkpoint_pairs(layout="nested", allow_new_hyperparameters=True, optimizers="adam"))
+def test_new_hyperparameters_are_what_an_older_torch_lacks(pair):
+    c, r = pair
+    extra = {k.rpartition(".")[2] for k in dm.diff(c, r).missing if k.startswith("param_groups.")}
+    assert extra <= {"decoupled_weight_decay", *r["param_groups"][0]}
+
+
+@given(ds.nested_state_dicts(kind="checkpoint"))
+def test_whole_checkpoints_have_one_set_of_parameters(sd):
+    assert set(sd) == {"model", "optim", "step"}
+    assert _param_ids(sd["optim"]) == set(sd["model"])
+
+
+@given(ds.optimizer_state_dicts(dtypes=[torch.float64], optimizers=["adam", "shampoo"]))
+def test_dtypes_and_optimizers_are_respected(osd):
+    tensors = [v for v in dm.flatten(osd).values() if isinstance(v, torch.Tensor) and v.dim()]
+    assert all(t.dtype == torch.float64 for t in tensors)
+    assert all(
+        {"step", "exp_avg"} <= set(e) or "factor_matrices" in e for e in osd["state"].values()
+    )
+
+
+def test_each_optimizer_kind_and_form_is_drawn():
+    def has(strategy, predicate):
+        # generate only: an example exists; no need to shrink it
+        find(strategy, predicate, settings=settings(max_examples=500, phases=[Phase.generate]))
+
+    has(
+        ds.optimizer_state_dicts(min_params=1),
+        lambda o: any("exp_avg_sq" in e for e in o["state"].values()),
+    )
+    has(
+        ds.optimizer_state_dicts(min_params=1),
+        lambda o: any("momentum_buffer" in e for e in o["state"].values()),
+    )
+    has(
+        ds.optimizer_state_dicts(min_params=1),
+        lambda o: any(isinstance(e.get("factor_matrices"), dict) for e in o["state"].values()),
+    )
+    has(
+        ds.optimizer_state_dicts(min_params=2),
+        lambda o: not o["state"] and "momentum" in o["param_groups"][0],
+    )
+    has(ds.optimizer_state_dicts(min_groups=3), lambda o: len(o["param_groups"]) == 3)
+    has(ds.optimizer_state_dicts(), lambda o: isinstance(o["param_groups"][0].get("betas"), tuple))
+    has(
+        ds.nested_state_dicts(keyed="id", min_params=1),
+        lambda o: 0 in o["param_groups"][0]["params"],
+    )
+    has(
+        ds.flat_state_dicts(min_params=1),
+        lambda f: any(k.startswith("state.model.layers.") for k in f),
+    )
+    has(ds.fqns(), lambda f: ".mlp.experts." in f)
+    has(ds.fqns(), lambda f: ".indexer." in f)
+    has(
+        ds.model_state_dicts(min_params=1, allow_meta=True),
+        lambda m: any(t.is_meta and t.numel() > 10**6 for t in m.values()),
+    )
+    has(ds.model_state_dicts(min_params=3), lambda m: len({t.dtype for t in m.values()}) == 3)
+
+
+@given(ds.model_state_dicts(max_params=4))
+def test_without_allow_meta_every_tensor_is_small_and_real(sd):
+    assert all(not t.is_meta and t.numel() <= 9 for t in sd.values())
+
+
+# -- shrinking ---------------------------------------------------------------------------
+
+
+SHRINK = settings(database=None, derandomize=True, phases=[Phase.generate, Phase.shrink])
+
+
+def test_pairs_shrink_to_a_minimal_readable_example():
+    c, r = find(
+        ds.checkpoint_pairs(layout="nested", max_params=3),
+        lambda p: bool(dm.diff(*p).missing),
+        settings=SHRINK,
+    )
+    # one group; one parameter on both sides and one missing; scalar float32 tensors
+    assert len(r["param_groups"]) == len(c["param_groups"]) == 1
+    assert len(r["param_groups"][0]["params"]) == 2
+    assert len(_owners(dm.diff(c, r).missing, _param_ids(r))) == 1
+    tensors = [v for v in dm.flatten(r).values() if isinstance(v, torch.Tensor)]
+    assert all(t.shape == () and t.dtype == torch.float32 for t in tensors)
+
+
+def test_flat_state_dicts_shrink_to_one_short_fqn():
+    flat = find(
+        ds.flat_state_dicts(max_params=3), lambda f: len(f) > 0, settings=settings(database=None)
+    )
+    assert _param_ids(flat) == {"model.embed.weight"}
