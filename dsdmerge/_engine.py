@@ -15,13 +15,22 @@ Policy decisions are made by :mod:`dsdmerge.merge` on what this returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from itertools import compress
+from collections.abc import Callable, Iterable, Mapping
+from itertools import compress, filterfalse, islice
+from operator import and_, attrgetter, is_, ne
 from typing import Any
 
 import torch
 
-from dsdmerge._values import MISSING, freeze, key_str, same_value, tensor_types
+from dsdmerge._values import (
+    KNOWN_LEAF_TYPES,
+    MISSING,
+    freeze,
+    key_str,
+    leaf_codes,
+    same_value,
+    tensor_like,
+)
 from dsdmerge.diff import Mismatch, TensorMeta
 from dsdmerge.errors import LayoutError
 from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_flat
@@ -33,9 +42,10 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     check_not_mixed,
-    classify,
     is_optimizer_state_dict,
+    layout_of,
     require_mapping,
+    value_types,
 )
 
 __all__: list[str] = []
@@ -66,8 +76,13 @@ def run(
     """Compare (and merge) ``checkpoint`` over ``reference``; see the module docstring."""
     require_mapping(checkpoint, "checkpoint")
     require_mapping(reference, "reference")
-    c_layout = classify(checkpoint)
-    r_layout = classify(reference)
+    # One pass over each side's values serves classify, require_flat and the tensor checks:
+    # a set of the value types, or for the reference (whose tensor positions the flat pass
+    # needs) a code per value when every value has a common leaf type.
+    c_types = value_types(checkpoint)
+    r_codes, r_types = _scan(reference)
+    c_layout = layout_of(checkpoint, c_types)
+    r_layout = layout_of(reference, r_types)
     if c_layout is Layout.NESTED and r_layout is Layout.NESTED:
         return _Nested(merge=merge, keep_unexpected=keep_unexpected, conflicts=conflicts).run(
             checkpoint, reference
@@ -80,6 +95,7 @@ def run(
                 "the reference nested, or merge dsdmerge.flatten(checkpoint) instead."
             )
         checkpoint = flatten(checkpoint)
+        c_types = value_types(checkpoint)
     groups = None
     if r_layout is Layout.NESTED:
         if is_optimizer_state_dict(reference):
@@ -89,16 +105,29 @@ def run(
                 if isinstance(g, Mapping) and isinstance(g.get(PARAMS), (list, tuple))
             ]
         reference = flatten(reference)
-    require_flat(checkpoint, "checkpoint")
-    require_flat(reference, "reference")
+        r_codes, r_types = _scan(reference)
+    require_flat(checkpoint, "checkpoint", c_types)
+    require_flat(reference, "reference", r_types)
+    if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
+        r_tt = tensor_like(r_types)
+        r_codes = bytes(map(r_tt.__contains__, map(type, reference.values()))) if r_tt else b""
     return _flat(
         checkpoint,
         reference,
+        r_codes,
         merge=merge,
         keep_unexpected=keep_unexpected,
         conflicts=conflicts,
         groups=groups,
     )
+
+
+def _scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
+    """``(codes, types)``: :func:`leaf_codes` of the values, and their types (or a superset)."""
+    codes = leaf_codes(sd.values())
+    if codes is not None:
+        return codes, KNOWN_LEAF_TYPES
+    return None, value_types(sd)
 
 
 # --------------------------------------------------------------------------------------
@@ -117,8 +146,48 @@ def _differs(c: Any, r: Any) -> bool:
         return True
 
 
-def _torch_types(types: frozenset[type]) -> bool:
+def _torch_types(types: Iterable[type]) -> bool:
     return all(issubclass(tp, torch.Tensor) for tp in types)
+
+
+# ``(value.shape, value.dtype)`` in one C-level call: with ``map`` the pairs are compared
+# without a Python frame per tensor (``.shape`` builds a new torch.Size every time, so the
+# attribute fetches are most of the cost of a tensor check).
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+
+
+def _mismatched(c_vals: list[Any], r_vals: list[Any]) -> list[int]:
+    """Positions where both values are tensor-like, not one object, and differ in shape or dtype.
+
+    ``c_vals`` and ``r_vals`` are aligned (same length). Type checks run once per
+    distinct type; the comparisons run in C when every compared value is a torch tensor.
+    """
+    c_seen = set(map(type, c_vals))
+    r_seen = set(map(type, r_vals))
+    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
+    if not c_tt or not r_tt:
+        return []
+    positions: Iterable[int] = range(len(c_vals))
+    if len(c_tt) < len(c_seen) or len(r_tt) < len(r_seen):  # keep the tensor pairs only
+        keep = bytes(
+            map(
+                and_,
+                map(c_tt.__contains__, map(type, c_vals)),
+                map(r_tt.__contains__, map(type, r_vals)),
+            )
+        )
+        positions = list(compress(positions, keep))
+        c_vals = list(compress(c_vals, keep))
+        r_vals = list(compress(r_vals, keep))
+    if _torch_types(c_tt) and _torch_types(r_tt):
+        # identical objects compare equal, so they need no filtering
+        differ = map(ne, map(_SHAPE_DTYPE, c_vals), map(_SHAPE_DTYPE, r_vals))
+        return list(compress(positions, differ))
+    return [
+        i
+        for i, cv, rv in zip(positions, c_vals, r_vals, strict=True)
+        if cv is not rv and _differs(cv, rv)
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -128,24 +197,37 @@ def _torch_types(types: frozenset[type]) -> bool:
 def _flat(
     c: Mapping[str, Any],
     r: Mapping[str, Any],
+    picked: bytes,
     *,
     merge: bool,
     keep_unexpected: bool,
     conflicts: bool,
     groups: list[list[str]] | None,
 ) -> Outcome:
-    if len(c) == len(r) and c.keys() == r.keys():
-        missing: list[str] = []
-        unexpected: list[str] = []
-    else:
-        gone = r.keys() - c.keys()
-        missing = list(filter(gone.__contains__, r)) if gone else []
-        extra = c.keys() - r.keys()
-        unexpected = list(filter(extra.__contains__, c)) if extra else []
-    mismatches = _flat_mismatches(c, r)
+    # The union is the merge, and it also tells the key differences: it has the reference's
+    # keys in order, with the checkpoint's value wherever the checkpoint has the key, then the
+    # checkpoint's new keys (the unexpected ones) in checkpoint order.
+    union = {**r, **c}
+    n_r = len(r)
+    unexpected = list(islice(union, n_r, None)) if len(union) > n_r else []
+    # The values of the reference's tensor keys (``picked``: 1 per tensor-like value), and the
+    # union's values at the same places (the checkpoint's value, or the reference's own when
+    # the checkpoint lacks the key).
+    r_keys: list[str] = []
+    r_vals: list[Any] = []
+    u_vals: list[Any] = []
+    if 1 in picked:
+        r_keys = list(compress(r, picked))
+        r_vals = list(compress(r.values(), picked))
+        u_vals = list(compress(union.values(), picked))
+    missing = _missing(c, r, union, len(union) - len(c), r_keys, r_vals, u_vals)
+    mismatches = [
+        Mismatch(r_keys[i], _meta(u_vals[i]), _meta(r_vals[i])) for i in _mismatched(u_vals, r_vals)
+    ]
+    del r_keys, r_vals, u_vals
     merged: dict[str, Any] | None = None
     if merge:
-        merged = {**r, **c}
+        merged = union
         if unexpected and not keep_unexpected:
             for key in unexpected:
                 del merged[key]
@@ -163,23 +245,32 @@ def _flat(
     return outcome
 
 
-def _flat_mismatches(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[Mismatch]:
-    r_types = tensor_types(r.values())
-    if not r_types:
+def _missing(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    union: dict[str, Any],
+    count: int,
+    r_keys: list[str],
+    r_vals: list[Any],
+    u_vals: list[Any],
+) -> list[str]:
+    """The ``count`` keys of ``r`` that ``c`` lacks, in reference order.
+
+    A missing key keeps the reference's value in the union, so only keys whose union
+    value *is* the reference's value need a lookup in ``c``. Tensors are distinct
+    objects on the two sides, so the tensor keys are tried first: when they account
+    for every missing key, the hyperparameters (``False``, ``None``, ... are shared
+    objects) need no lookups at all.
+    """
+    if not count:
         return []
-    c_types = tensor_types(c.values())
-    if not c_types:
-        return []
-    fast = _torch_types(r_types) and _torch_types(c_types)
-    out: list[Mismatch] = []
-    get = c.get
-    for key, rv in compress(r.items(), map(r_types.__contains__, map(type, r.values()))):
-        cv = get(key, MISSING)
-        if cv is rv or type(cv) not in c_types:
-            continue
-        if (cv.shape != rv.shape or cv.dtype != rv.dtype) if fast else _differs(cv, rv):
-            out.append(Mismatch(key, _meta(cv), _meta(rv)))
-    return out
+    if count == len(r):
+        return list(r)
+    if r_keys:
+        found = list(filterfalse(c.__contains__, compress(r_keys, map(is_, r_vals, u_vals))))
+        if len(found) == count:
+            return found
+    return list(filterfalse(c.__contains__, compress(r, map(is_, r.values(), union.values()))))
 
 
 def _parse_groups(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

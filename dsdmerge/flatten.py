@@ -28,7 +28,9 @@ from dsdmerge.layout import (
     check_not_mixed,
     classify,
     is_optimizer_state_dict,
+    layout_of,
     require_mapping,
+    value_types,
 )
 
 __all__ = ["flatten", "unflatten"]
@@ -249,10 +251,14 @@ def unflatten(
     return _Unflattener(flat).run(like)
 
 
-def require_flat(flat: object, what: str) -> Mapping[str, Any]:
-    """Raise unless ``flat`` is a flat mapping with str keys."""
+def require_flat(
+    flat: object, what: str, types: set[type] | frozenset[type] | None = None
+) -> Mapping[str, Any]:
+    """Raise unless ``flat`` is a flat mapping with str keys (``types``: its value types)."""
     mapping = require_mapping(flat, what)
-    if classify(mapping) is not Layout.FLAT:
+    if types is None:
+        types = value_types(mapping)
+    if layout_of(mapping, types) is not Layout.FLAT:
         nested = next(k for k, v in mapping.items() if isinstance(v, Mapping))
         raise LayoutError(
             f"{what} must be a flat state dict, but {nested!r} holds a mapping; "
