@@ -1,23 +1,27 @@
-"""Synthetic optimizer state dicts for the benchmarks (meta tensors: shapes, no memory).
+"""Synthetic AdamW optimizer state dicts for the benchmarks (meta tensors: shapes, no memory).
 
-Every builder returns a *checkpoint* and a *reference* that are built separately: distinct key
-string objects and distinct tensor objects on each side, as after ``torch.load`` on one side
-and ``get_optimizer_state_dict`` on the other. The checkpoint was trained (scheduled lr,
-``step`` state) but lacks the state of the parameters that never got a gradient (the indexer);
-the reference is a fresh optimizer, whose every parameter has state.
+A *checkpoint* and a *reference* are built separately, as after ``torch.load`` on one side and
+``get_optimizer_state_dict`` on a fresh optimizer on the other: distinct key strings, distinct
+tensors, distinct hyperparameter floats. The checkpoint was trained (its lr is the scheduled
+5e-5) but has no state for the parameters that never got a gradient (the indexer); the fresh
+reference has state for every parameter and lr 1e-3.
+
+Each side comes in three layouts that share their leaves (so a layout costs no tensor memory):
+fqn-keyed nested (``get_optimizer_state_dict``), int-id nested (``optimizer.state_dict()``) and
+flat, made by torch's own ``_flatten_optim_state_dict`` (``flatten_optimizer_state_dict=True``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
 
 META = torch.device("meta")
 
-# AdamW's hyperparameters in torch 2.13, in its order (11 per parameter in the flat form).
+# AdamW's hyperparameters in torch 2.13, in its order: 11 flat keys per parameter.
 ADAMW_HYPER: dict[str, Any] = {
     "lr": 1e-3,
     "betas": (0.9, 0.999),
@@ -39,67 +43,71 @@ KEYS_PER_PARAM = len(STATE_NAMES) + len(ADAMW_HYPER)  # 14
 class Param:
     fqn: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
     gets_grad: bool  # False: no optimizer state in the checkpoint (a sparse-attention indexer)
     decay: bool  # param group 0 (weight decay) or 1 (norms: no weight decay)
 
 
 def deepseek_v3_params(layers: int = 61, experts: int = 256) -> list[Param]:
-    """DeepSeek-V3-scale parameters: ``layers x experts x 3`` expert projections, MLA attention
-    (4 projections), 2 norms and a sparse-attention indexer per layer, embedding, norm, head.
+    """DeepSeek-V3-scale parameters: per layer ``experts x 3`` expert projections, 4 MLA
+    attention projections, 2 norms and a sparse-attention indexer that never gets a gradient;
+    plus embedding, final norm and head.
 
-    61 x (256 x 3 + 7) + 3 = 47,278 parameters; as flattened AdamW state 661,709 keys.
+    Full size: 61 x (256 x 3 + 7) + 3 = 47,278 parameters, 661,709 flat checkpoint keys
+    (661,892 in the reference, which also has the 61 indexers' 3 state keys each).
     """
     dim, moe_inter, vocab = 7168, 2048, 129280
     heads, nope, rope, v_dim, kv_rank = 128, 128, 64, 128, 512
-    bf16 = torch.bfloat16
-    out = [Param("embed.weight", (vocab, dim), bf16, True, True)]
+    out = [Param("embed.weight", (vocab, dim), True, True)]
     for i in range(layers):
         p = f"layers.{i}."
         out += [
-            Param(p + "attn_norm.weight", (dim,), bf16, True, False),
-            Param(p + "attn.wq.weight", (heads * (nope + rope), dim), bf16, True, True),
-            Param(p + "attn.wkv_a.weight", (kv_rank + rope, dim), bf16, True, True),
-            Param(p + "attn.wkv_b.weight", (heads * (nope + v_dim), kv_rank), bf16, True, True),
-            Param(p + "attn.wo.weight", (dim, heads * v_dim), bf16, True, True),
-            # never gets a gradient: its forward only returns top-k indices
-            Param(p + "attn.indexer.weights_proj.weight", (64, dim), bf16, False, True),
-            Param(p + "ffn_norm.weight", (dim,), bf16, True, False),
+            Param(p + "attn_norm.weight", (dim,), True, False),
+            Param(p + "attn.wq.weight", (heads * (nope + rope), dim), True, True),
+            Param(p + "attn.wkv_a.weight", (kv_rank + rope, dim), True, True),
+            Param(p + "attn.wkv_b.weight", (heads * (nope + v_dim), kv_rank), True, True),
+            Param(p + "attn.wo.weight", (dim, heads * v_dim), True, True),
+            # its forward only returns top-k indices, so it never gets a gradient
+            Param(p + "attn.indexer.weights_proj.weight", (64, dim), False, True),
+            Param(p + "ffn_norm.weight", (dim,), True, False),
         ]
         for e in range(experts):
             q = f"{p}ffn.experts.{e}."
             out += [
-                Param(q + "w1.weight", (moe_inter, dim), bf16, True, True),
-                Param(q + "w2.weight", (dim, moe_inter), bf16, True, True),
-                Param(q + "w3.weight", (moe_inter, dim), bf16, True, True),
+                Param(q + "w1.weight", (moe_inter, dim), True, True),
+                Param(q + "w2.weight", (dim, moe_inter), True, True),
+                Param(q + "w3.weight", (moe_inter, dim), True, True),
             ]
-    out += [
-        Param("norm.weight", (dim,), bf16, True, False),
-        Param("head.weight", (vocab, dim), bf16, True, True),
-    ]
+    out.append(Param("norm.weight", (dim,), True, False))
+    out.append(Param("head.weight", (vocab, dim), True, True))
     return out
 
 
 def synthetic_params(n_keys: int) -> list[Param]:
-    """About ``n_keys`` flat AdamW keys: blocks of 8 params, one in 256 never gets a gradient."""
-    n = max(2, round(n_keys / KEYS_PER_PARAM))
+    """About ``n_keys`` flat AdamW keys: blocks of 8 parameters; one in 256 never gets a grad."""
     out = []
-    for i in range(n):
+    for i in range(max(2, round(n_keys / KEYS_PER_PARAM))):
         block, j = divmod(i, 8)
         if i % 256 == 255:
-            fqn = f"blocks.{block}.indexer.weight"
-            out.append(Param(fqn, (64, 256), torch.float32, False, True))
+            out.append(Param(f"blocks.{block}.indexer.weight", (64, 256), False, True))
         elif j == 7:
-            out.append(Param(f"blocks.{block}.norm.weight", (256,), torch.float32, True, False))
+            out.append(Param(f"blocks.{block}.norm.weight", (256,), True, False))
         else:
             shape = (256 * (1 + j % 3), 256)
-            out.append(Param(f"blocks.{block}.mlp.w{j}.weight", shape, torch.float32, True, True))
+            out.append(Param(f"blocks.{block}.mlp.w{j}.weight", shape, True, True))
     return out
 
 
 def _new_str(s: str) -> str:
-    """An equal str that is a new object (keys on the two sides are never shared)."""
+    """An equal str that is a new object: the two sides never share key objects."""
     return (s + ".")[:-1]
+
+
+def _fresh(value: Any) -> Any:
+    if type(value) is float:
+        return float(repr(value))
+    if type(value) is tuple:
+        return tuple(_fresh(v) for v in value)
+    return value
 
 
 def _state(p: Param) -> dict[str, torch.Tensor]:
@@ -110,48 +118,54 @@ def _state(p: Param) -> dict[str, torch.Tensor]:
     }
 
 
-def _groups(params: list[Param], lr: float, ids: Iterator[Any]) -> list[dict[str, Any]]:
-    decay = {**ADAMW_HYPER, "lr": lr, "params": []}
-    no_decay = {**ADAMW_HYPER, "lr": lr, "weight_decay": 0.0, "params": []}
-    for p, pid in zip(params, ids, strict=True):
-        (decay if p.decay else no_decay)["params"].append(pid)
-    return [decay, no_decay]
-
-
-def nested(params: list[Param], *, checkpoint: bool, int_ids: bool = False) -> dict[str, Any]:
-    """``get_optimizer_state_dict`` (fqn-keyed) or ``optimizer.state_dict()`` (``int_ids``)."""
-    ids = [i if int_ids else _new_str(p.fqn) for i, p in enumerate(params)]
+def nested(params: list[Param], *, checkpoint: bool) -> dict[str, Any]:
+    """One side, fqn-keyed, as ``get_optimizer_state_dict`` returns it."""
+    fqns = [_new_str(p.fqn) for p in params]
     state = {
-        pid: _state(p) for p, pid in zip(params, ids, strict=True) if p.gets_grad or not checkpoint
+        fqn: _state(p) for p, fqn in zip(params, fqns, strict=True) if p.gets_grad or not checkpoint
     }
-    lr = 5e-5 if checkpoint else 1e-3
-    return {"state": state, "param_groups": _groups(params, lr, iter(ids))}
+    # new objects for the floats and the tuple, as after torch.load (bools and None are shared
+    # singletons on both sides, as in real life)
+    hyper = {k: _fresh(v) for k, v in ADAMW_HYPER.items()}
+    decay: dict[str, Any] = {**hyper, "lr": _fresh(5e-5 if checkpoint else 1e-3), "params": []}
+    no_decay: dict[str, Any] = {**decay, "weight_decay": _fresh(0.0), "params": []}
+    for p, fqn in zip(params, fqns, strict=True):
+        (decay if p.decay else no_decay)["params"].append(fqn)
+    return {"state": state, "param_groups": [decay, no_decay]}
 
 
-def flat(params: list[Param], *, checkpoint: bool) -> dict[str, Any]:
-    """The flattened DSD form (``flatten_optimizer_state_dict=True``), built directly."""
-    out: dict[str, Any] = {}
-    for p in params:
-        if p.gets_grad or not checkpoint:
-            for name, value in _state(p).items():
-                out[f"state.{p.fqn}.{name}"] = value
-    lr = 5e-5 if checkpoint else 1e-3
-    for group in _groups(params, lr, iter([p.fqn for p in params])):
-        hyper = [(k, v) for k, v in group.items() if k != "params"]
-        for fqn in group["params"]:
-            for k, v in hyper:
-                out[f"param_groups.{fqn}.{k}"] = v
-    return out
+def int_ids(osd: dict[str, Any]) -> dict[str, Any]:
+    """The same side as ``optimizer.state_dict()`` returns it: int ids in param-group order."""
+    ids = {fqn: i for i, fqn in enumerate(f for g in osd["param_groups"] for f in g["params"])}
+    return {
+        "state": {ids[fqn]: entry for fqn, entry in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [ids[fqn] for fqn in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
 
 
-def pair_flat(params: list[Param]) -> tuple[dict[str, Any], dict[str, Any]]:
-    return flat(params, checkpoint=True), flat(params, checkpoint=False)
-
-
-def pair_nested(
-    params: list[Param], *, int_ids: bool = False
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    return (
-        nested(params, checkpoint=True, int_ids=int_ids),
-        nested(params, checkpoint=False, int_ids=int_ids),
+def flat(osd: dict[str, Any]) -> dict[str, Any]:
+    """The same side flattened by torch itself (on a copy: torch pops ``params``)."""
+    return _flatten_optim_state_dict(
+        {"state": osd["state"], "param_groups": [dict(g) for g in osd["param_groups"]]}
     )
+
+
+@dataclasses.dataclass
+class Pair:
+    """A checkpoint and a reference in every layout."""
+
+    params: list[Param]
+    nested_c: dict[str, Any]
+    nested_r: dict[str, Any]
+    int_c: dict[str, Any]
+    int_r: dict[str, Any]
+    flat_c: dict[str, Any]
+    flat_r: dict[str, Any]
+
+
+def pair(params: list[Param], *, with_int_ids: bool = True) -> Pair:
+    nc, nr = nested(params, checkpoint=True), nested(params, checkpoint=False)
+    ic, ir = (int_ids(nc), int_ids(nr)) if with_int_ids else ({}, {})
+    return Pair(params, nc, nr, ic, ir, flat(nc), flat(nr))

@@ -15,9 +15,9 @@ Policy decisions are made by :mod:`dsdmerge.merge` on what this returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
-from itertools import compress, filterfalse, islice
-from operator import and_, attrgetter, is_, ne
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import chain, compress, count, filterfalse, islice
+from operator import and_, attrgetter, is_, is_not, ne
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from dsdmerge._values import (
 )
 from dsdmerge.diff import Mismatch, TensorMeta
 from dsdmerge.errors import LayoutError
-from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_flat
+from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_str_keys
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -106,20 +106,25 @@ def run(
             ]
         reference = flatten(reference)
         r_codes, r_types = _scan(reference)
-    require_flat(checkpoint, "checkpoint", c_types)
-    require_flat(reference, "reference", r_types)
+    # both are flat now; _flat checks that their keys are str, on its way through them
     if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
         r_tt = tensor_like(r_types)
         r_codes = bytes(map(r_tt.__contains__, map(type, reference.values()))) if r_tt else b""
+    else:
+        r_tt = _KNOWN_TENSOR_TYPES
     return _flat(
         checkpoint,
         reference,
         r_codes,
+        r_tt,
         merge=merge,
         keep_unexpected=keep_unexpected,
         conflicts=conflicts,
         groups=groups,
     )
+
+
+_KNOWN_TENSOR_TYPES = tensor_like(KNOWN_LEAF_TYPES)
 
 
 def _scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
@@ -156,19 +161,22 @@ def _torch_types(types: Iterable[type]) -> bool:
 _SHAPE_DTYPE = attrgetter("shape", "dtype")
 
 
-def _mismatched(c_vals: list[Any], r_vals: list[Any]) -> list[int]:
+def _mismatched(
+    c_vals: list[Any], r_vals: list[Any], r_seen: Iterable[type] | None = None
+) -> list[int]:
     """Positions where both values are tensor-like, not one object, and differ in shape or dtype.
 
-    ``c_vals`` and ``r_vals`` are aligned (same length). Type checks run once per
+    ``c_vals`` and ``r_vals`` are aligned (same length); ``r_seen``, when given, is a
+    superset of the types in ``r_vals``, all tensor-like. Type checks run once per
     distinct type; the comparisons run in C when every compared value is a torch tensor.
     """
     c_seen = set(map(type, c_vals))
-    r_seen = set(map(type, r_vals))
-    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
+    c_tt = tensor_like(c_seen)
+    r_tt = tensor_like(set(map(type, r_vals)) if r_seen is None else r_seen)
     if not c_tt or not r_tt:
         return []
     positions: Iterable[int] = range(len(c_vals))
-    if len(c_tt) < len(c_seen) or len(r_tt) < len(r_seen):  # keep the tensor pairs only
+    if len(c_tt) < len(c_seen) or r_seen is None:  # keep the tensor pairs only
         keep = bytes(
             map(
                 and_,
@@ -198,39 +206,84 @@ def _flat(
     c: Mapping[str, Any],
     r: Mapping[str, Any],
     picked: bytes,
+    r_tensor_types: frozenset[type],
     *,
     merge: bool,
     keep_unexpected: bool,
     conflicts: bool,
     groups: list[list[str]] | None,
 ) -> Outcome:
-    # The union is the merge, and it also tells the key differences: it has the reference's
-    # keys in order, with the checkpoint's value wherever the checkpoint has the key, then the
-    # checkpoint's new keys (the unexpected ones) in checkpoint order.
-    union = {**r, **c}
-    n_r = len(r)
-    unexpected = list(islice(union, n_r, None)) if len(union) > n_r else []
-    # The values of the reference's tensor keys (``picked``: 1 per tensor-like value), and the
-    # union's values at the same places (the checkpoint's value, or the reference's own when
-    # the checkpoint lacks the key).
-    r_keys: list[str] = []
+    """``picked``: 1 per tensor-like value of ``r``, whose types are among ``r_tensor_types``."""
+    c_key_types: set[type] = set()
+    r_key_types: set[type] = set()
+    aligned = _align(c, r, c_key_types, r_key_types)
+    if aligned is None:  # the keys come in another order: find the differences by hashing
+        require_str_keys(c, "checkpoint", set(map(type, c)))
+        require_str_keys(r, "reference", set(map(type, r)))
+        return _flat_by_union(
+            c,
+            r,
+            picked,
+            r_tensor_types,
+            merge=merge,
+            keep_unexpected=keep_unexpected,
+            conflicts=conflicts,
+            groups=groups,
+        )
+    require_str_keys(c, "checkpoint", c_key_types)
+    require_str_keys(r, "reference", r_key_types)
+    runs, missing, unexpected = aligned
+    merged: dict[str, Any] | None = None
     r_vals: list[Any] = []
     u_vals: list[Any] = []
-    if 1 in picked:
-        r_keys = list(compress(r, picked))
-        r_vals = list(compress(r.values(), picked))
-        u_vals = list(compress(union.values(), picked))
-    missing = _missing(c, r, union, len(union) - len(c), r_keys, r_vals, u_vals)
-    mismatches = [
-        Mismatch(r_keys[i], _meta(u_vals[i]), _meta(r_vals[i])) for i in _mismatched(u_vals, r_vals)
-    ]
-    del r_keys, r_vals, u_vals
-    merged: dict[str, Any] | None = None
     if merge:
-        merged = union
-        if unexpected and not keep_unexpected:
-            for key in unexpected:
-                del merged[key]
+        # {**r, **c} exactly (same keys, order and objects), built from a copy of the reference
+        # by writing the checkpoint's value only where it is another object: each write looks
+        # the reference's own key object up, and a shared value (False, None, ...) needs none.
+        c_at_r = list(_c_values_at_r(c, r, runs, missing))
+        other = bytes(map(is_not, c_at_r, r.values()))
+        merged = {**r}
+        merged.update(compress(zip(r, c_at_r), other))  # noqa: B905
+        del c_at_r, other
+        if unexpected and keep_unexpected:
+            merged.update(zip(unexpected, map(c.__getitem__, unexpected), strict=True))
+        if 1 in picked:  # the merged values at the reference's positions are the checkpoint's
+            u_vals = list(compress(merged.values(), picked))
+    elif 1 in picked:
+        u_vals = list(compress(_c_values_at_r(c, r, runs, missing), picked))
+    if u_vals:
+        r_vals = list(compress(r.values(), picked))
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    return _finish(
+        c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
+    )
+
+
+def _mismatches(
+    r: Mapping[str, Any],
+    picked: bytes,
+    u_vals: list[Any],
+    r_vals: list[Any],
+    r_tensor_types: frozenset[type],
+) -> list[Mismatch]:
+    bad = _mismatched(u_vals, r_vals, r_tensor_types)
+    if not bad:
+        return []
+    r_keys = list(compress(r, picked))
+    return [Mismatch(r_keys[i], _meta(u_vals[i]), _meta(r_vals[i])) for i in bad]
+
+
+def _finish(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    merged: dict[str, Any] | None,
+    missing: list[str],
+    unexpected: list[str],
+    mismatches: list[Mismatch],
+    *,
+    conflicts: bool,
+    groups: list[list[str]] | None,
+) -> Outcome:
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
         target = merged
@@ -239,10 +292,159 @@ def _flat(
             return lambda: target.__setitem__(key, r[key])
 
         outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
-    backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merge else []
+    backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merged is not None else []
     if backfilled or (conflicts and any(k.startswith(PG_PREFIX) for k in c)):
         _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
     return outcome
+
+
+_CHUNK = 1024  # keys taken from each side at a time in _align
+
+
+def _align(
+    c: Mapping[str, Any], r: Mapping[str, Any], c_key_types: set[type], r_key_types: set[type]
+) -> tuple[list[tuple[int, int, int]], list[str], list[str]] | None:
+    """Walk the two key sequences side by side: ``(runs, missing, unexpected)``, or ``None``.
+
+    State dicts of one model come in one key order, so the checkpoint's keys are
+    mostly the reference's keys at shifted positions. The walk takes the keys a
+    chunk at a time from each side (adding their types to ``c_key_types`` and
+    ``r_key_types`` while the chunk is in cache) and skips equal stretches by
+    comparing the chunks in C, a string comparison per key and no hashing. Where
+    keys differ, one lookup tells which side has a key the other lacks. ``runs``
+    are ``(c_position, r_position, length)`` of equal keys; ``missing`` and
+    ``unexpected`` come out in reference and checkpoint order. ``None`` when both
+    keys at a difference exist on the other side (the orders differ) or when the
+    differences are too many for a walk to pay off; the key types are then partial.
+    """
+    c_iter, r_iter = iter(c), iter(r)
+    cb: list[Any] = []  # keys taken but not walked yet; cb[0] is at position i
+    rb: list[Any] = []
+    i = j = 0
+    run_i = run_j = 0
+    runs: list[tuple[int, int, int]] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    budget = 64 + len(r) // 16
+    while True:
+        if len(cb) < _CHUNK:
+            more = list(islice(c_iter, _CHUNK))
+            c_key_types.update(map(type, more))
+            cb += more
+        if len(rb) < _CHUNK:
+            more = list(islice(r_iter, _CHUNK))
+            r_key_types.update(map(type, more))
+            rb += more
+        n = min(len(cb), len(rb))
+        if not n:
+            break
+        if cb == rb if len(cb) == len(rb) else cb[:n] == rb[:n]:
+            del cb[:n], rb[:n]
+            i += n
+            j += n
+            continue
+        step = next(compress(count(), map(ne, cb, rb)))  # the first key that differs
+        del cb[:step], rb[:step]
+        i += step
+        j += step
+        if i > run_i:
+            runs.append((run_i, run_j, i - run_i))
+        a, b = cb[0], rb[0]
+        if b not in c:
+            missing.append(b)
+            del rb[0]
+            j += 1
+        elif a not in r:
+            unexpected.append(a)
+            del cb[0]
+            i += 1
+        else:
+            return None
+        run_i, run_j = i, j
+        budget -= 1
+        if budget < 0:
+            return None
+    if i > run_i:
+        runs.append((run_i, run_j, i - run_i))
+    for rest, it, types, out in (
+        (rb, r_iter, r_key_types, missing),
+        (cb, c_iter, c_key_types, unexpected),
+    ):
+        rest += it
+        types.update(map(type, rest))
+        out += rest
+    return runs, missing, unexpected
+
+
+def _c_values_at_r(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    runs: list[tuple[int, int, int]],
+    missing: list[str],
+) -> Iterator[Any]:
+    """The checkpoint's value at each position of the reference, lazily, from :func:`_align`.
+
+    Where the checkpoint lacks the key, the reference's own value stands in.
+    """
+
+    def parts() -> Iterator[Iterable[Any]]:
+        values = iter(c.values())
+        at_c = at_r = m = 0
+        for i, j, n in runs:
+            if j > at_r:  # missing keys before this run
+                yield map(r.__getitem__, missing[m : m + j - at_r])
+                m += j - at_r
+            if i > at_c:  # skip the unexpected ones
+                next(islice(values, i - at_c, i - at_c), None)
+            yield islice(values, n)
+            at_c, at_r = i + n, j + n
+        if m < len(missing):
+            yield map(r.__getitem__, missing[m:])
+
+    return chain.from_iterable(parts())
+
+
+def _flat_by_union(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    picked: bytes,
+    r_tensor_types: frozenset[type],
+    *,
+    merge: bool,
+    keep_unexpected: bool,
+    conflicts: bool,
+    groups: list[list[str]] | None,
+) -> Outcome:
+    """:func:`_flat` for keys in different orders: every key is hashed once, in ``{**r, **c}``."""
+    # The union has the reference's keys in order, with the checkpoint's value wherever the
+    # checkpoint has the key, then the checkpoint's new keys (the unexpected ones) in order.
+    union = {**r, **c}
+    n_r = len(r)
+    n_missing = len(union) - len(c)
+    unexpected = list(islice(union, n_r, None)) if len(union) > n_r else []
+    # The reference's tensors, and the union's values at the same places: the checkpoint's
+    # value, or the reference's own tensor when the checkpoint lacks the key.
+    r_vals: list[Any] = []
+    u_vals: list[Any] = []
+    if 1 in picked:
+        r_vals = list(compress(r.values(), picked))
+        u_vals = list(compress(union.values(), picked))
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    # missing keys keep the reference's own value in the union: among the tensors, those are
+    # the only candidates (besides a tensor the checkpoint shares with the reference)
+    kept = list(compress(count(), map(is_, u_vals, r_vals))) if n_missing else []
+    r_keys = list(compress(r, picked)) if kept else []
+    missing = _missing(c, r, union, n_missing, [r_keys[i] for i in kept])
+    del r_keys, r_vals, u_vals
+    merged: dict[str, Any] | None = None
+    if merge:
+        merged = union
+        if unexpected and not keep_unexpected:
+            for key in unexpected:
+                del merged[key]
+    return _finish(
+        c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
+    )
 
 
 def _missing(
@@ -250,24 +452,22 @@ def _missing(
     r: Mapping[str, Any],
     union: dict[str, Any],
     count: int,
-    r_keys: list[str],
-    r_vals: list[Any],
-    u_vals: list[Any],
+    tensor_candidates: list[str],
 ) -> list[str]:
     """The ``count`` keys of ``r`` that ``c`` lacks, in reference order.
 
     A missing key keeps the reference's value in the union, so only keys whose union
     value *is* the reference's value need a lookup in ``c``. Tensors are distinct
-    objects on the two sides, so the tensor keys are tried first: when they account
-    for every missing key, the hyperparameters (``False``, ``None``, ... are shared
-    objects) need no lookups at all.
+    objects on the two sides, so the tensor keys with that property are tried first:
+    when they account for every missing key, the other values (``False``, ``None``,
+    ... are shared objects) need no lookups at all.
     """
     if not count:
         return []
     if count == len(r):
         return list(r)
-    if r_keys:
-        found = list(filterfalse(c.__contains__, compress(r_keys, map(is_, r_vals, u_vals))))
+    if tensor_candidates:
+        found = list(filterfalse(c.__contains__, tensor_candidates))
         if len(found) == count:
             return found
     return list(filterfalse(c.__contains__, compress(r, map(is_, r.values(), union.values()))))

@@ -264,12 +264,17 @@ def require_flat(
             f"{what} must be a flat state dict, but {nested!r} holds a mapping; "
             "flatten it first with dsdmerge.flatten()."
         )
-    if set(map(type, mapping)) - {str}:
+    require_str_keys(mapping, what, set(map(type, mapping)))
+    return mapping
+
+
+def require_str_keys(mapping: Mapping[Any, Any], what: str, key_types: set[type]) -> None:
+    """Raise unless ``key_types`` (the types of the keys of ``mapping``) is just ``str``."""
+    if key_types - {str}:
         bad = next(k for k in mapping if type(k) is not str)
         raise StateDictTypeError(
             f"{what}: flat state dict keys must be str, got {bad!r} ({type(bad).__name__})"
         )
-    return mapping
 
 
 def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
