@@ -15,9 +15,11 @@ Policy decisions are made by :mod:`dsdmerge.merge` on what this returns.
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import chain, compress, count, filterfalse, islice
-from operator import and_, attrgetter, is_, is_not, ne
+from functools import partial
+from itertools import accumulate, chain, compress, count, filterfalse, islice, repeat
+from operator import and_, attrgetter, is_, is_not, itemgetter, ne, not_
 from typing import Any
 
 import torch
@@ -162,21 +164,24 @@ _SHAPE_DTYPE = attrgetter("shape", "dtype")
 
 
 def _mismatched(
-    c_vals: list[Any], r_vals: list[Any], r_seen: Iterable[type] | None = None
+    c_vals: list[Any],
+    r_vals: list[Any],
+    c_seen: Iterable[type] | None = None,
+    r_seen: Iterable[type] | None = None,
 ) -> list[int]:
     """Positions where both values are tensor-like, not one object, and differ in shape or dtype.
 
-    ``c_vals`` and ``r_vals`` are aligned (same length); ``r_seen``, when given, is a
-    superset of the types in ``r_vals``, all tensor-like. Type checks run once per
-    distinct type; the comparisons run in C when every compared value is a torch tensor.
+    ``c_vals`` and ``r_vals`` are aligned (same length); ``c_seen`` and ``r_seen``, when
+    given, are the types in them (or supersets). Type checks run once per distinct
+    type; the comparisons run in C when every compared value is a torch tensor.
     """
-    c_seen = set(map(type, c_vals))
-    c_tt = tensor_like(c_seen)
-    r_tt = tensor_like(set(map(type, r_vals)) if r_seen is None else r_seen)
+    c_seen = set(map(type, c_vals)) if c_seen is None else set(c_seen)
+    r_seen = set(map(type, r_vals)) if r_seen is None else set(r_seen)
+    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
     if not c_tt or not r_tt:
         return []
     positions: Iterable[int] = range(len(c_vals))
-    if len(c_tt) < len(c_seen) or r_seen is None:  # keep the tensor pairs only
+    if len(c_tt) < len(c_seen) or len(r_tt) < len(r_seen):  # keep the tensor pairs only
         keep = bytes(
             map(
                 and_,
@@ -266,7 +271,7 @@ def _mismatches(
     r_vals: list[Any],
     r_tensor_types: frozenset[type],
 ) -> list[Mismatch]:
-    bad = _mismatched(u_vals, r_vals, r_tensor_types)
+    bad = _mismatched(u_vals, r_vals, None, r_tensor_types)
     if not bad:
         return []
     r_keys = list(compress(r, picked))
@@ -722,6 +727,21 @@ class _Nested:
         c_state, r_state = c[STATE], r[STATE]
         _check_id_kinds(c, r, prefix)
         state: dict[Any, Any] = {}
+        if not _id_types_ok(r_state) or not self._fast_state(c_state, r_state, state, prefix):
+            self._state(c_state, r_state, state, prefix)
+        if not c_state.keys() <= r_state.keys():
+            self.any_unexpected = True
+        groups = self._groups(c, r, prefix)
+        return {STATE: state, PARAM_GROUPS: groups}
+
+    def _state(
+        self,
+        c_state: Mapping[Any, Any],
+        r_state: Mapping[Any, Any],
+        state: dict[Any, Any],
+        prefix: str,
+    ) -> None:
+        """Merge the per-parameter state, one parameter at a time."""
         state_prefix = prefix + STATE_PREFIX
         for pid, r_entry in r_state.items():
             key = state_prefix + key_str(pid, prefix + STATE)
@@ -736,10 +756,82 @@ class _Nested:
                 state[pid] = self._entry(c_entry, r_entry, key)
             else:
                 state[pid] = self._tree(c_entry, r_entry, key + ".", in_state=True)
-        if len(c_state) > len(r_state) or any(pid not in r_state for pid in c_state):
-            self.any_unexpected = True
-        groups = self._groups(c, r, prefix)
-        return {STATE: state, PARAM_GROUPS: groups}
+
+    def _fast_state(
+        self,
+        c_state: Mapping[Any, Any],
+        r_state: Mapping[Any, Any],
+        state: dict[Any, Any],
+        prefix: str,
+    ) -> bool:
+        """:meth:`_state` in C-level passes over all parameters, in the common case.
+
+        A parameter whose two entries are plain dicts with the same state names in
+        the same order gets a copy of the checkpoint's entry; the value pairs of all
+        such parameters are type-checked and compared together, and reported in the
+        order :meth:`_state` would report them. The other parameters (backfills,
+        other entry types) go through :meth:`_state` one by one, in order. Returns
+        ``False``, having done nothing, when the state names differ somewhere or a
+        state value is itself a mapping (nested state): :meth:`_state` then does it all.
+        """
+        c_entries = list(map(c_state.get, r_state, repeat(MISSING)))
+        fast = bytes(
+            map(
+                and_,
+                map(is_, map(type, c_entries), repeat(dict)),
+                map(is_, map(type, r_state.values()), repeat(dict)),
+            )
+        )
+        fast_c = list(compress(c_entries, fast))
+        fast_r = list(compress(r_state.values(), fast))
+        del c_entries
+        # the same names in the same order, parameter by parameter (lengths, then all names)
+        if list(map(len, fast_c)) != list(map(len, fast_r)) or list(
+            chain.from_iterable(fast_c)
+        ) != list(chain.from_iterable(fast_r)):
+            return False
+        c_vals = list(chain.from_iterable(map(dict.values, fast_c)))
+        r_vals = list(chain.from_iterable(map(dict.values, fast_r)))
+        c_seen, r_seen = set(map(type, c_vals)), set(map(type, r_vals))
+        if any(issubclass(tp, Mapping) for tp in c_seen | r_seen):
+            return False
+        # the merged state in reference order: copies of the checkpoint's entries, and the
+        # other parameters one by one (few: backfilled ones, unusual entry types)
+        mismatches = self.outcome.mismatches
+        mark = len(mismatches)
+        spans: list[tuple[int, int, int]] = []  # (r position, first, end) of their mismatches
+        copies = iter(list(map(dict.copy, fast_c)))
+        pids = iter(r_state)
+        done = 0
+        for slow in compress(count(), map(not_, fast)):
+            state.update(zip(islice(pids, slow - done), copies))  # noqa: B905
+            pid = next(pids)
+            first = len(mismatches)
+            self._state(c_state, {pid: r_state[pid]}, state, prefix)
+            if len(mismatches) > first:
+                spans.append((slow, first, len(mismatches)))
+            done = slow + 1
+        state.update(zip(pids, copies))  # noqa: B905
+        bad = _mismatched(c_vals, r_vals, c_seen, r_seen)
+        if not bad:
+            return True
+        # name the batch's mismatches, and put all of them in walk order
+        positions = list(compress(count(), fast))
+        ends = list(accumulate(map(len, fast_c)))
+        found: list[tuple[int, int, Mismatch]] = []
+        for i in bad:
+            n = bisect_right(ends, i)
+            pid = next(islice(r_state, positions[n], None))
+            fields = state[pid]
+            name = list(fields)[i - (ends[n - 1] if n else 0)]
+            key = f"{_state_key(prefix, pid)}.{name}"
+            found.append((positions[n], i, Mismatch(key, _meta(c_vals[i]), _meta(r_vals[i]))))
+            self.outcome.take_reference[key] = partial(fields.__setitem__, name, r_vals[i])
+        for at, first, end in spans:
+            found.extend((at, k, mismatches[k]) for k in range(first, end))
+        found.sort(key=itemgetter(0, 1))
+        mismatches[mark:] = [m for _, _, m in found]
+        return True
 
     def _entry(
         self, c_entry: dict[Any, Any], r_entry: Mapping[Any, Any], key: str
@@ -777,8 +869,12 @@ class _Nested:
             (g, _group_items(g, f"{where}[{i}] (reference)")) for i, g in enumerate(r[PARAM_GROUPS])
         ]
         self._check_positional(c_groups, r_groups, c, r, where)
-        c_index = {pid: i for i, (g, _) in enumerate(c_groups) for pid in g[PARAMS]}
-        r_index = {pid: i for i, (g, _) in enumerate(r_groups) for pid in g[PARAMS]}
+        c_index: dict[Any, int] = {}
+        for i, (g, _) in enumerate(c_groups):
+            c_index.update(zip(g[PARAMS], repeat(i)))
+        r_index: dict[Any, int] = {}
+        for i, (g, _) in enumerate(r_groups):
+            r_index.update(zip(g[PARAMS], repeat(i)))
         c_names = [{name for name, _ in items} for _, items in c_groups]
         r_names = [{name for name, _ in items} for _, items in r_groups]
         group_prefix = prefix + PG_PREFIX
@@ -787,15 +883,18 @@ class _Nested:
         matched: set[int] = set()
         for ri, (rg, r_items) in enumerate(r_groups):
             params = rg[PARAMS]
-            spelled = [key_str(pid, f"{where}[{ri}]") for pid in params]
-            ci = next((c_index[pid] for pid in params if pid in c_index), None)
+            if not set(map(type, params)) <= {int, str}:  # key_str raises, naming the first
+                [key_str(pid, f"{where}[{ri}]") for pid in params]
+            owners = list(map(c_index.get, params))  # each member's checkpoint group
+            ci = next(filter(partial(is_not, None), owners), None)
             if ci is None and not params:  # an empty group: the checkpoint's empty one, if any
                 ci = next(
                     (i for i, (g, _) in enumerate(c_groups) if not g[PARAMS] and i not in matched),
                     None,
                 )
             if ci is None:
-                for s in spelled:
+                for pid in params:
+                    s = key_str(pid, "")
                     missing.extend(f"{group_prefix}{s}.{name}" for name, _ in r_items)
                 out.append(_copy_group(rg))
                 continue
@@ -806,12 +905,14 @@ class _Nested:
                 group.setdefault(name, value)
             members = list(params)
             if self.keep:
-                members.extend(pid for pid in cg[PARAMS] if pid not in r_index)
+                members.extend(filterfalse(r_index.__contains__, cg[PARAMS]))
             group[PARAMS] = members
             out.append(group)
             lacking = [name for name, _ in r_items if name not in c_names[ci]]
-            for pid, s in zip(params, spelled, strict=True):
-                own = c_index.get(pid)
+            if not lacking and owners.count(ci) == len(owners):
+                continue  # every member has the group's hyperparameters in the checkpoint
+            for pid, own in zip(params, owners, strict=True):
+                s = key_str(pid, "")
                 if own == ci:
                     names = lacking
                 else:
@@ -828,7 +929,7 @@ class _Nested:
             if self.keep:
                 out.extend(_copy_group(g) for i, (g, _) in enumerate(c_groups) if i not in matched)
         for ci, (cg, _) in enumerate(c_groups):
-            for ri in {r_index.get(pid, -1) for pid in cg[PARAMS]}:
+            for ri in set(map(r_index.get, cg[PARAMS], repeat(-1))):
                 if ri < 0 or not c_names[ci] <= r_names[ri]:
                     self.any_unexpected = True
         return out
@@ -842,10 +943,11 @@ class _Nested:
         where: str,
     ) -> None:
         """Int-keyed optimizers map params by position: group sizes must agree, as torch demands."""
-        ids = [pid for g, _ in c_groups + r_groups for pid in g[PARAMS]]
-        ids.extend(c[STATE])
-        ids.extend(r[STATE])
-        if not ids or not all(type(pid) is int for pid in ids):
+        kinds = set(map(type, c[STATE]))
+        kinds.update(map(type, r[STATE]))
+        for g, _ in c_groups + r_groups:
+            kinds.update(map(type, g[PARAMS]))
+        if kinds != {int}:
             return
         if len(c_groups) != len(r_groups):
             self.outcome.problems.append(
@@ -903,13 +1005,21 @@ class _Nested:
                 )
 
 
+def _state_key(prefix: str, pid: Any) -> str:
+    return prefix + STATE_PREFIX + key_str(pid, prefix + STATE)
+
+
+def _id_types_ok(state: Mapping[Any, Any]) -> bool:
+    """Whether every param id is a str or an int (else the walk raises, in order)."""
+    return set(map(type, state)) <= {int, str}
+
+
 def _id_kind(osd: Mapping[Any, Any]) -> type | None:
     """``int`` or ``str`` when every param id of an optimizer state dict has that type."""
-    ids = list(osd[STATE])
+    kinds = set(map(type, osd[STATE]))
     for group in osd[PARAM_GROUPS]:
         if isinstance(group, Mapping) and isinstance(group.get(PARAMS), (list, tuple)):
-            ids.extend(group[PARAMS][:1])
-    kinds = {type(pid) for pid in ids}
+            kinds.update(map(type, group[PARAMS][:1]))
     return kinds.pop() if len(kinds) == 1 else None
 
 
