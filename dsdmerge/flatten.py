@@ -13,7 +13,8 @@ memory, not by Python's recursion limit, and both refuse cycles.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from itertools import chain, cycle
 from typing import Any
 
 from dsdmerge._values import MISSING, freeze, key_str, same_value
@@ -51,6 +52,11 @@ class _Unique(dict[str, Any]):
                 "silently overwrite one of them; rename the keys or keep this state dict nested."
             )
         super().__setitem__(key, value)
+
+    def update(self, pairs: Iterable[tuple[str, Any]], /) -> None:  # type: ignore[override]
+        """Item by item, so that :meth:`__setitem__` sees every key (dict.update would not)."""
+        for key, value in pairs:
+            self[key] = value
 
 
 def flatten(sd: Mapping[Any, Any], /) -> dict[str, Any]:
@@ -142,9 +148,72 @@ def _flatten_optimizer(
 ) -> int:
     """Flatten one optimizer state dict the way torch's ``_flatten_optim_state_dict`` does."""
     check_not_mixed(osd, prefix[:-1])
+    written = _flat_state(out, osd[STATE], prefix)
+    if written < 0:
+        written = _state_one_by_one(out, osd[STATE], prefix, on_path)
+    group_prefix = prefix + PG_PREFIX
+    for index, group in enumerate(osd[PARAM_GROUPS]):
+        where = f"{prefix}{PARAM_GROUPS}[{index}]"
+        hyper = _group_items(group, where)
+        params = group[PARAMS]
+        if not hyper or not params:
+            continue
+        # (an f-string spells int and str ids as key_str does; key_str for the others, or raise)
+        spelled = params
+        if not set(map(type, params)) <= {int, str}:
+            spelled = [key_str(pid, where) for pid in params]
+        # one key per parameter and hyperparameter, parameter by parameter, as torch
+        # (a block of keys at a time: each key is hashed into ``out`` while still in cache)
+        names, values = zip(*hyper, strict=True)
+        for start in range(0, len(spelled), _BLOCK):
+            bases = [f"{group_prefix}{s}." for s in spelled[start : start + _BLOCK]]
+            out.update(zip([base + name for base in bases for name in names], cycle(values)))
+        written += len(params) * len(hyper)
+    return written
+
+
+_BLOCK = 1024  # parameters whose keys are made and inserted at a time
+
+
+def _flat_state(out: dict[str, Any], state: Mapping[Any, Any], prefix: str) -> int:
+    """Write the ``state.*`` keys in C-level passes; -1 (having written nothing) if unusual.
+
+    Usual: param ids are str or int, every entry is a dict with str state names, and
+    no state value is a mapping. Anything else goes :func:`_state_one_by_one`.
+    """
+    entries = list(state.values())
+    if not entries:
+        return 0
+    if (
+        not set(map(type, state)) <= {int, str}
+        or set(map(type, entries)) != {dict}
+        or set(map(type, chain.from_iterable(entries))) != {str}
+        or any(
+            issubclass(tp, Mapping)
+            for tp in set(map(type, chain.from_iterable(map(dict.values, entries))))
+        )
+    ):
+        return -1
+    state_prefix = prefix + STATE_PREFIX
+    pids = list(state)
+    for start in range(0, len(pids), _BLOCK):
+        block = entries[start : start + _BLOCK]
+        keys = [
+            f"{state_prefix}{pid}.{name}"
+            for pid, entry in zip(pids[start : start + _BLOCK], block, strict=True)
+            for name in entry
+        ]
+        out.update(zip(keys, chain.from_iterable(map(dict.values, block))))  # noqa: B905
+    return sum(map(len, entries))
+
+
+def _state_one_by_one(
+    out: dict[str, Any], state: Mapping[Any, Any], prefix: str, on_path: set[int]
+) -> int:
+    """The ``state.*`` keys of one optimizer, any entry shape (nested state, odd types)."""
     written = 0
     state_prefix = prefix + STATE_PREFIX
-    for pid, entry in osd[STATE].items():
+    for pid, entry in state.items():
         pkey = state_prefix + key_str(pid, prefix + STATE) + "."
         if not isinstance(entry, Mapping):
             raise LayoutError(
@@ -162,14 +231,6 @@ def _flatten_optimizer(
             else:
                 out[key] = v
                 written += 1
-    group_prefix = prefix + PG_PREFIX
-    for index, group in enumerate(osd[PARAM_GROUPS]):
-        hyper = _group_items(group, f"{prefix}{PARAM_GROUPS}[{index}]")
-        for pid in group[PARAMS]:
-            base = group_prefix + key_str(pid, f"{prefix}{PARAM_GROUPS}[{index}]") + "."
-            for name, v in hyper:
-                out[base + name] = v
-        written += len(group[PARAMS]) * len(hyper)
     return written
 
 
