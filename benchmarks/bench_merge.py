@@ -52,29 +52,40 @@ Cases = dict[str, Case | tuple[Callable[[], tuple[Any, ...]], Callable[..., Any]
 # measuring
 
 
+MIN_SAMPLE_S = 0.02  # a sample is at least this much work (several calls of a fast case)
+
+
 def measure(cases: Cases, rounds: int, *, warmup: bool) -> dict[str, float]:
     """Median seconds per call of each case; the cases run interleaved, one sample per round.
 
     With ``warmup``, an untimed first round (first calls pay for imports and caches) also
-    picks how many calls make one sample (at least ~20 ms of work, so that a scheduler tick
-    on a busy machine does not swamp a sub-millisecond call). Results stay alive until the
-    sample's clock stops, so freeing them is not charged to anyone.
+    picks how many calls make one sample (``MIN_SAMPLE_S`` of work, so that a scheduler
+    tick on a busy machine does not swamp a sub-millisecond call). Results stay alive until
+    the sample's clock stops, so freeing them is not charged to anyone. The collector runs
+    before every sample (so no case pays for garbage or a full collection another case
+    made due) and stays on during it; the benchmark data itself is frozen out of it
+    (``gc.freeze``) so that those collections are cheap.
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
     calls = dict.fromkeys(cases, 1)
-    for i in range(-1 if warmup else 0, rounds):
-        for name, case in cases.items():
-            setup, fn = case if isinstance(case, tuple) else (_no_args, case)
-            arg_sets = [setup() for _ in range(calls[name])]
-            gc.collect()  # garbage of earlier cases is not charged to this one; gc stays on
-            start = time.perf_counter()
-            outs = [fn(*args) for args in arg_sets]
-            elapsed = (time.perf_counter() - start) / len(arg_sets)
-            del outs, arg_sets
-            if i < 0:
-                calls[name] = max(1, min(1000, int(0.02 / max(elapsed, 1e-7))))
-            else:
-                times[name].append(elapsed)
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(-1 if warmup else 0, rounds):
+            for name, case in cases.items():
+                setup, fn = case if isinstance(case, tuple) else (_no_args, case)
+                arg_sets = [setup() for _ in range(calls[name])]
+                gc.collect()
+                start = time.perf_counter()
+                outs = [fn(*args) for args in arg_sets]
+                elapsed = (time.perf_counter() - start) / len(arg_sets)
+                del outs, arg_sets
+                if i < 0:
+                    calls[name] = max(1, min(1000, int(MIN_SAMPLE_S / max(elapsed, 1e-7))))
+                else:
+                    times[name].append(elapsed)
+    finally:
+        gc.unfreeze()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -84,7 +95,7 @@ def _no_args() -> tuple[Any, ...]:
 
 def peak_memory(fn: Callable[[], Any]) -> int:
     """Peak bytes ``fn`` allocates beyond what existed before it (tracemalloc; result included)."""
-    gc.collect()
+    gc.collect(1)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     out = fn()

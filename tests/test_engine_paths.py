@@ -9,6 +9,7 @@ singleton values, tensor-likes of other types, tensors where the other side has 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import Snapshot
 from hypothesis import given
@@ -136,3 +137,140 @@ def test_the_same_tensor_on_both_sides_is_not_missing():
 def test_a_scalar_where_the_reference_has_a_tensor_is_not_a_mismatch():
     d = dm.diff({"state.w.step": 3.0}, {"state.w.step": torch.zeros(())})
     assert d == dm.KeyDiff()
+
+
+# -- the key walk of flat pairs ------------------------------------------------------
+
+
+def test_many_scattered_differences_give_up_the_walk_and_still_agree_with_the_model():
+    r = {f"state.p{i}.exp_avg": torch.zeros(1) for i in range(3000)}
+    c = {k: torch.zeros(1) for i, k in enumerate(r) if i % 2}  # every other key missing
+    c["unexpected.one"] = torch.zeros(2)
+    missing, unexpected, mismatched = model(c, r)
+    d = dm.diff(c, r)
+    assert (list(d.missing), list(d.unexpected), list(d.mismatched_keys)) == (
+        missing,
+        unexpected,
+        mismatched,
+    )
+    assert list(dm.merge(c, r)) == list({**r, **c})
+
+
+def test_keys_in_another_order_agree_with_the_model():
+    r = {f"k{i}": torch.zeros(i % 3 + 1) for i in range(5000)}
+    c = {k: torch.zeros(3) for k in reversed(list(r)) if k != "k17"}
+    missing, _, mismatched = model(c, r)
+    d = dm.diff(c, r)
+    assert (list(d.missing), list(d.mismatched_keys)) == (missing, mismatched)
+    assert not d.unexpected
+    out = dm.merge(c, r, policy=MERGING)
+    assert list(out) == list(r)
+
+
+@pytest.mark.parametrize("side", ["checkpoint", "reference"])
+def test_str_subclass_keys_are_still_refused_on_either_side(side):
+    class Key(str):
+        pass
+
+    plain = {"a": torch.zeros(1), "b": torch.zeros(1)}
+    odd = {Key("a"): torch.zeros(1), "b": torch.zeros(1)}  # equal to plain's keys
+    c, r = (odd, plain) if side == "checkpoint" else (plain, odd)
+    with pytest.raises(dm.StateDictTypeError, match=side):
+        dm.diff(c, r)
+    with pytest.raises(dm.StateDictTypeError, match=side):
+        dm.merge(c, r)
+
+
+# -- nested optimizers: the batched per-parameter pass --------------------------------
+
+
+def _osd(entries: dict, lr: float = 0.1) -> dict:
+    return {"state": entries, "param_groups": [{"lr": lr, "params": list(entries)}]}
+
+
+def test_nested_reports_follow_the_walk_order_across_batched_and_one_by_one_parameters():
+    def entry(*shape):
+        return {"step": torch.zeros(()), "exp_avg": torch.zeros(shape)}
+
+    r = _osd({f"p{i}": entry(2) for i in range(6)})
+    c = _osd(
+        {
+            "p0": entry(3),  # batched, mismatched
+            "p1": {**entry(3), "extra": torch.zeros(1)},  # other names: one by one, mismatched
+            "p3": entry(2),  # p2 missing: backfilled between batched ones
+            "p4": entry(5),  # batched, mismatched
+            "p5": {"exp_avg": torch.zeros(2), "step": torch.zeros(())},  # other order
+        }
+    )
+    d = dm.diff(c, r)
+    assert d.mismatched_keys == ("state.p0.exp_avg", "state.p1.exp_avg", "state.p4.exp_avg")
+    assert d.missing[:2] == ("state.p2.step", "state.p2.exp_avg")
+    assert d.unexpected == ("state.p1.extra",)
+    assert d == dm.diff(dm.flatten(c), dm.flatten(r))
+    out = dm.merge(c, r, policy=MERGING)
+    assert list(out["state"]) == list(r["state"])
+    assert out["state"]["p0"]["exp_avg"] is r["state"]["p0"]["exp_avg"]  # shape: reference's
+    assert out["state"]["p3"]["exp_avg"] is c["state"]["p3"]["exp_avg"]
+    assert list(out["state"]["p5"]) == ["exp_avg", "step"]  # the checkpoint's order
+
+
+def test_nested_state_values_take_the_general_walk():
+    r = _osd({"w": {"step": 1, "shampoo": {"factor": torch.zeros(2)}}})
+    c = _osd({"w": {"step": 2, "shampoo": {"factor": torch.zeros(3)}}})
+    d = dm.diff(c, r)
+    assert d.mismatched_keys == ("state.w.shampoo.factor",)
+    assert d == dm.diff(dm.flatten(c), dm.flatten(r))
+    out = dm.merge(c, r, policy=MERGING)
+    assert out["state"]["w"]["shampoo"]["factor"] is r["state"]["w"]["shampoo"]["factor"]
+    assert out["state"]["w"]["step"] == 2
+
+
+def test_nested_merge_shares_leaves_and_makes_new_entries():
+    r = _osd({i: {"step": torch.zeros(())} for i in range(4)})
+    c = _osd({i: {"step": torch.zeros(())} for i in range(4)})
+    out = dm.merge(c, r)
+    for i in range(4):
+        assert out["state"][i] is not c["state"][i]
+        assert out["state"][i]["step"] is c["state"][i]["step"]
+
+
+# -- flatten: the C-level pass and its fallbacks --------------------------------------
+
+
+def test_flatten_spells_int_subclass_ids_like_ints_and_refuses_bools():
+    import enum
+
+    class Pid(enum.IntEnum):
+        W = 3
+
+    osd = {"state": {Pid.W: {"step": 1}}, "param_groups": [{"lr": 0.1, "params": [Pid.W]}]}
+    assert dm.flatten(osd) == {"state.3.step": 1, "param_groups.3.lr": 0.1}
+    with pytest.raises(dm.StateDictTypeError):
+        dm.flatten({"state": {True: {"step": 1}}, "param_groups": []})
+    with pytest.raises(dm.StateDictTypeError):
+        dm.flatten({"state": {}, "param_groups": [{"lr": 0.1, "params": [True]}]})
+
+
+def test_flatten_finds_collisions_between_int_and_str_ids():
+    osd = {"state": {1: {"step": 1}, "1": {"step": 2}}, "param_groups": []}
+    with pytest.raises(dm.LayoutError, match=r"same key 'state\.1\.step'"):
+        dm.flatten(osd)
+
+
+def test_flatten_of_many_parameters_keeps_torchs_order():
+    from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+
+    fqns = [f"m.{i}.w" for i in range(2500)]
+    osd = {
+        "state": {f: {"step": torch.zeros(()), "exp_avg": torch.zeros(1)} for f in fqns[::2]},
+        "param_groups": [
+            {"lr": 0.1, "betas": (0.9, 0.99), "params": fqns[:1000]},
+            {"lr": 0.2, "betas": (0.9, 0.99), "params": fqns[1000:]},
+        ],
+    }
+    ours = dm.flatten(osd)
+    theirs = _flatten_optim_state_dict(
+        {"state": osd["state"], "param_groups": [dict(g) for g in osd["param_groups"]]}
+    )
+    assert list(ours) == list(theirs)
+    assert all(ours[k] is theirs[k] for k in theirs)
