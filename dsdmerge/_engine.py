@@ -18,8 +18,8 @@ import dataclasses
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
-from itertools import accumulate, chain, compress, count, filterfalse, islice, repeat
-from operator import and_, attrgetter, is_, is_not, itemgetter, ne, not_
+from itertools import accumulate, chain, compress, count, cycle, filterfalse, islice, repeat
+from operator import add, and_, attrgetter, is_, is_not, itemgetter, methodcaller, ne, not_
 from typing import Any
 
 import torch
@@ -260,7 +260,15 @@ def _flat(
         r_vals = list(compress(r.values(), picked))
     mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
     return _finish(
-        c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
+        c,
+        r,
+        merged,
+        missing,
+        unexpected,
+        mismatches,
+        conflicts=conflicts,
+        groups=groups,
+        c_at_r=lambda: _c_values_at_r(c, r, runs, missing, MISSING),
     )
 
 
@@ -288,7 +296,13 @@ def _finish(
     *,
     conflicts: bool,
     groups: list[list[str]] | None,
+    c_at_r: Callable[[], Iterable[Any]] | None = None,
 ) -> Outcome:
+    """The :class:`Outcome` of a flat pass.
+
+    ``c_at_r()``, if the pass can tell: the checkpoint's values at the reference's
+    positions, ``MISSING`` where it lacks the key.
+    """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
         target = merged
@@ -298,8 +312,12 @@ def _finish(
 
         outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merged is not None else []
-    if backfilled or (conflicts and any(k.startswith(PG_PREFIX) for k in c)):
-        _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
+    if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
+        table = _PgTable.of(r)
+        if table is None:
+            _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
+        else:
+            table.resolve(c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
     return outcome
 
 
@@ -386,25 +404,30 @@ def _c_values_at_r(
     r: Mapping[str, Any],
     runs: list[tuple[int, int, int]],
     missing: list[str],
+    fill: Any = None,
 ) -> Iterator[Any]:
     """The checkpoint's value at each position of the reference, lazily, from :func:`_align`.
 
-    Where the checkpoint lacks the key, the reference's own value stands in.
+    Where the checkpoint lacks the key, ``fill`` stands in (the reference's own value
+    when ``fill`` is ``None``).
     """
+
+    def gap(keys: list[str]) -> Iterable[Any]:
+        return map(r.__getitem__, keys) if fill is None else repeat(fill, len(keys))
 
     def parts() -> Iterator[Iterable[Any]]:
         values = iter(c.values())
         at_c = at_r = m = 0
         for i, j, n in runs:
             if j > at_r:  # missing keys before this run
-                yield map(r.__getitem__, missing[m : m + j - at_r])
+                yield gap(missing[m : m + j - at_r])
                 m += j - at_r
             if i > at_c:  # skip the unexpected ones
                 next(islice(values, i - at_c, i - at_c), None)
             yield islice(values, n)
             at_c, at_r = i + n, j + n
         if m < len(missing):
-            yield map(r.__getitem__, missing[m:])
+            yield gap(missing[m:])
 
     return chain.from_iterable(parts())
 
@@ -478,16 +501,190 @@ def _missing(
     return list(filterfalse(c.__contains__, compress(r, map(is_, r.values(), union.values()))))
 
 
-def _parse_groups(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``param_groups.<fqn>.<hp>`` keys -> ``{fqn: {hp: value}}`` in key order."""
-    hyper: dict[str, dict[str, Any]] = {}
-    n = len(PG_PREFIX)
-    for key, value in flat.items():
-        if key.startswith(PG_PREFIX):
+@dataclasses.dataclass
+class _PgTable:
+    """The ``param_groups.*`` keys of a flat reference as a table: one row per parameter.
+
+    Torch's flattened format writes, for every parameter, the same hyperparameters in
+    the same order. When the reference's keys have that shape, group inference,
+    backfills and conflict checks work on columns of the table in C-level passes.
+    """
+
+    picked: bytes  # 1 per reference key that is a param_groups.* key
+    keys: list[str]  # those keys, row after row
+    fqns: list[str]  # one per row
+    names: list[str]  # the hyperparameters, one per column
+    values: list[Any]  # the reference's values, row after row
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> _PgTable | None:
+        """The table of ``r``, or ``None`` when its keys do not have that shape.
+
+        The shape is checked without splitting every key: the first row gives the
+        hyperparameter names, the first key of each row its fqn, and then every key
+        must be ``param_groups.<row fqn>.<column name>`` (prefix, suffix and length),
+        which is what :func:`_parse_groups` would make of it.
+        """
+        n = len(PG_PREFIX)
+        picked = bytes(map(str.startswith, r, repeat(PG_PREFIX)))
+        keys = list(compress(r, picked))
+        if not keys:
+            return None
+        first_fqn, dot, _ = keys[0][n:].rpartition(".")
+        names = []
+        for key in keys:
             fqn, dot, name = key[n:].rpartition(".")
-            if dot and fqn:
-                hyper.setdefault(fqn, {})[name] = value
-    return hyper
+            if fqn != first_fqn:
+                break
+            names.append(name)
+        k = len(names)
+        rows, rest = divmod(len(keys), k)
+        if rest or not dot or not first_fqn or len(set(names)) != k or "." in "".join(names):
+            return None
+        suffixes = ["." + name for name in names]
+        heads = keys[::k]
+        if not all(map(str.endswith, heads, repeat(suffixes[0]))):
+            return None
+        fqns = list(map(itemgetter(slice(n, -len(suffixes[0]))), heads))
+        prefixes = list(map(add, repeat(PG_PREFIX), map(add, fqns, repeat("."))))
+        each = list(chain.from_iterable(map(repeat, prefixes, repeat(k))))
+        if (
+            not all(fqns)
+            or len(set(fqns)) != rows
+            or not all(map(str.startswith, keys, each))
+            or not all(map(str.endswith, keys, cycle(suffixes)))
+            or list(map(len, keys)) != list(map(add, map(len, each), cycle(map(len, names))))
+        ):
+            return None
+        return cls(picked, keys, fqns, names, list(compress(r.values(), picked)))
+
+    def inferred_groups(self) -> list[list[int]]:
+        """Rows whose reference hyperparameters are all equal, in order of first appearance.
+
+        Members of a group share their value objects, so rows are matched by identity
+        to a few template rows (a bit mask per template, ANDed over the columns), and
+        only the templates are frozen and compared by value.
+        """
+        k, n_rows = len(self.names), len(self.fqns)
+        columns = [self.values[j::k] for j in range(k)]
+        left = (1 << (8 * n_rows)) - 1  # a bit per row at 8-bit spacing: the rows not matched
+        left &= int.from_bytes(b"\x01" * n_rows, "little")
+        templates: list[tuple[int, int]] = []  # (first row, mask of the rows like it)
+        while left:
+            if len(templates) == 64:  # too many distinct rows for masks: freeze every row
+                return self._groups_by_row()
+            t = ((left & -left).bit_length() - 1) // 8
+            mask = left
+            for column in columns:
+                mask &= int.from_bytes(bytes(map(is_, column, repeat(column[t]))), "little")
+            templates.append((t, mask))
+            left &= ~mask
+        masks: dict[Any, int] = {}  # signature -> rows, in order of first appearance
+        for t, mask in templates:
+            row = self.values[t * k : t * k + k]
+            signature = tuple((name, freeze(v)) for name, v in zip(self.names, row, strict=True))
+            masks[signature] = masks.get(signature, 0) | mask
+        return [list(compress(count(), mask.to_bytes(n_rows, "little"))) for mask in masks.values()]
+
+    def _groups_by_row(self) -> list[list[int]]:
+        k = len(self.names)
+        by_signature: dict[Any, list[int]] = {}
+        frozen: dict[int, Any] = {}
+        for i in range(len(self.fqns)):
+            signature = []
+            for name, v in zip(self.names, self.values[i * k : i * k + k], strict=True):
+                f = frozen.get(id(v), MISSING)
+                if f is MISSING:
+                    f = frozen[id(v)] = freeze(v)
+                signature.append((name, f))
+            by_signature.setdefault(tuple(signature), []).append(i)
+        return list(by_signature.values())
+
+    def resolve(
+        self,
+        c: Mapping[str, Any],
+        groups: list[list[str]] | None,
+        backfilled: list[str],
+        outcome: Outcome,
+        *,
+        conflicts: bool,
+        c_at_r: Callable[[], Iterable[Any]] | None,
+    ) -> None:
+        """:func:`_group_hyperparameters`, by columns."""
+        inferred = " (inferred)" if groups is None else ""
+        if groups is None:
+            rows = self.inferred_groups()
+        else:
+            row_of = dict(zip(self.fqns, count()))
+            rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
+        merged = outcome.merged
+        if backfilled and merged is not None:
+            group_of = {self.fqns[i]: index for index, members in enumerate(rows) for i in members}
+            n = len(PG_PREFIX)
+            for key in backfilled:
+                fqn, _, name = key[n:].rpartition(".")
+                index = group_of.get(fqn)
+                if index is None:
+                    continue
+                for i in rows[index]:
+                    value = c.get(f"{PG_PREFIX}{self.fqns[i]}.{name}", MISSING)
+                    if value is not MISSING:
+                        merged[key] = value
+                        break
+        if not conflicts:
+            return
+        if c_at_r is None:
+            c_vals = list(map(c.get, self.keys, repeat(MISSING)))
+        else:
+            c_vals = list(compress(c_at_r(), self.picked))
+        k = len(self.names)
+        for index, members in enumerate(rows):
+            found: list[tuple[int, int, str]] = []
+            for j, name in enumerate(self.names):
+                column = list(map(c_vals[j::k].__getitem__, members))
+                if column and all(map(is_, column, repeat(column[0]))) and column[0] is not MISSING:
+                    continue  # the same object for every member: no conflict
+                first: tuple[int, Any] | None = None
+                for at, value in enumerate(column):
+                    if value is MISSING:
+                        continue
+                    if first is None:
+                        first = (at, value)
+                    elif not same_value(first[1], value):
+                        found.append(
+                            (
+                                at,
+                                j,
+                                f"param group {index}{inferred}: checkpoint members disagree on "
+                                f"{name!r}: {self.fqns[members[first[0]]]} has {first[1]!r}, "
+                                f"{self.fqns[members[at]]} has {value!r}; torch keeps the "
+                                "first member's value for the whole group",
+                            )
+                        )
+                        break
+            found.sort(key=itemgetter(0, 1))
+            outcome.conflicts.extend(text for _, _, text in found)
+
+
+def _parse_groups(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``param_groups.<fqn>.<hp>`` keys -> ``{fqn: {hp: value}}`` in key order, and the keys.
+
+    The second mapping is ``{fqn: {hp: flat key}}``, so that the same key can be
+    looked up elsewhere without spelling it again.
+    """
+    hyper: dict[str, dict[str, Any]] = {}
+    keys: dict[str, Any] = {}
+    n = len(PG_PREFIX)
+    for key, value in compress(flat.items(), map(methodcaller("startswith", PG_PREFIX), flat)):
+        fqn, dot, name = key[n:].rpartition(".")
+        if dot and fqn:
+            values = hyper.get(fqn)
+            if values is None:
+                values = hyper[fqn] = {}
+                keys[fqn] = {}
+            values[name] = value
+            keys[fqn][name] = key
+    return hyper, keys
 
 
 def _group_hyperparameters(
@@ -506,13 +703,20 @@ def _group_hyperparameters(
     the first member of its group (in reference order) that the checkpoint has,
     and the reference's value only when no member has one.
     """
-    r_hyper = _parse_groups(r)
+    r_hyper, r_keys = _parse_groups(r)
     inferred = " (inferred)" if groups is None else ""
     if groups is None:
+        # parameters of one group share their value objects: freeze each object once
+        frozen: dict[int, Any] = {}
         by_signature: dict[Any, list[str]] = {}
         for fqn, values in r_hyper.items():
-            signature = tuple((name, freeze(v)) for name, v in values.items())
-            by_signature.setdefault(signature, []).append(fqn)
+            signature = []
+            for name, v in values.items():
+                f = frozen.get(id(v), MISSING)
+                if f is MISSING:
+                    f = frozen[id(v)] = freeze(v)
+                signature.append((name, f))
+            by_signature.setdefault(tuple(signature), []).append(fqn)
         groups = list(by_signature.values())
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     merged = outcome.merged
@@ -529,18 +733,22 @@ def _group_hyperparameters(
                 break
     if not conflicts:
         return
+    c_get = c.get
     for index, members in enumerate(groups):
         seen: dict[str, tuple[str, Any]] = {}
         reported: set[str] = set()
         for member in members:
-            for name in r_hyper.get(member, {}):
-                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
+            keys = r_keys.get(member)
+            if not keys:
+                continue
+            for name, key in keys.items():
+                value = c_get(key, MISSING)
                 if value is MISSING or name in reported:
                     continue
                 first = seen.get(name)
                 if first is None:
                     seen[name] = (member, value)
-                elif not same_value(first[1], value):
+                elif first[1] is not value and not same_value(first[1], value):
                     reported.add(name)
                     outcome.conflicts.append(
                         f"param group {index}{inferred}: checkpoint members disagree on "
