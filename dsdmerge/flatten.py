@@ -14,7 +14,9 @@ memory, not by Python's recursion limit, and both refuse cycles.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from itertools import chain, cycle
+from functools import partial
+from itertools import chain, cycle, filterfalse, islice, repeat
+from operator import add, is_
 from typing import Any
 
 from dsdmerge._values import MISSING, freeze, key_str, same_value
@@ -483,17 +485,18 @@ class _Unflattener:
         pids: dict[str, Any] = {}
         state: dict[Any, Any] = {}
         state_prefix = prefix + STATE_PREFIX
-        for pid, entry in like[STATE].items():
-            spelled = key_str(pid, prefix + STATE)
-            pids[spelled] = pid
-            if not isinstance(entry, Mapping):
-                raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
-            if not entry:
-                state[pid] = {}
-                continue
-            fields = self._tree(entry, state_prefix + spelled + ".", on_path, in_state=True)
-            if fields:
-                state[pid] = fields
+        if not self._fast_state(like[STATE], state_prefix, pids, state):
+            for pid, entry in like[STATE].items():
+                spelled = key_str(pid, prefix + STATE)
+                pids[spelled] = pid
+                if not isinstance(entry, Mapping):
+                    raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
+                if not entry:
+                    state[pid] = {}
+                    continue
+                fields = self._tree(entry, state_prefix + spelled + ".", on_path, in_state=True)
+                if fields:
+                    state[pid] = fields
         groups: list[dict[str, Any]] = []
         member_of: dict[Any, dict[str, Any]] = {}
         group_prefix = prefix + PG_PREFIX
@@ -501,7 +504,11 @@ class _Unflattener:
             where = f"{prefix}{PARAM_GROUPS}[{index}]"
             _group_items(like_group, where)
             params = like_group[PARAMS]
-            spelled_params = [key_str(pid, where) for pid in params]
+            if set(map(type, params)) <= {int, str}:  # an f-string spells them as key_str
+                spelled_params = list(map(str, params))
+            else:
+                spelled_params = [key_str(pid, where) for pid in params]
+            bases = [f"{group_prefix}{spelled}." for spelled in spelled_params]
             group: dict[str, Any] = {}
             for name, like_value in like_group.items():
                 if name == PARAMS:
@@ -510,28 +517,72 @@ class _Unflattener:
                 if not params:  # torch's format has no key for an empty group: keep like's
                     group[name] = like_value
                     continue
-                value = MISSING
-                for spelled in spelled_params:
-                    v = flat.get(f"{group_prefix}{spelled}.{name}", MISSING)
-                    if v is MISSING:
-                        continue
-                    self.hits += 1
-                    if value is MISSING:
-                        value = v
-                    elif not same_value(v, value):
-                        raise LayoutError(
-                            f"cannot unflatten: members of {where} disagree on {name!r} "
-                            f"({group_prefix}{spelled}.{name} is {v!r}, an earlier member has "
-                            f"{value!r}); a nested param group holds one value per hyperparameter."
-                        )
-                if value is not MISSING:
-                    group[name] = value
+                # every member's value, looked up in one C-level pass; one object for all
+                # members (the usual case) needs no comparison
+                values = list(map(flat.get, map(add, bases, repeat(name)), repeat(MISSING)))
+                found = list(filterfalse(partial(is_, MISSING), values))
+                self.hits += len(found)
+                if not found:
+                    continue
+                value = found[0]
+                if not all(map(is_, found, repeat(value))):
+                    for spelled, v in zip(spelled_params, values, strict=True):
+                        if v is not MISSING and not same_value(v, value):
+                            raise LayoutError(
+                                f"cannot unflatten: members of {where} disagree on {name!r} "
+                                f"({group_prefix}{spelled}.{name} is {v!r}, an earlier member "
+                                f"has {value!r}); a nested param group holds one value per "
+                                "hyperparameter."
+                            )
+                group[name] = value
             groups.append(group)
             for pid, spelled in zip(params, spelled_params, strict=True):
                 pids[spelled] = pid
                 member_of[pid] = group
         self.optimizers[prefix] = (pids, state, member_of)
         return {STATE: state, PARAM_GROUPS: groups}
+
+    def _fast_state(
+        self,
+        like_state: Mapping[Any, Any],
+        state_prefix: str,
+        pids: dict[str, Any],
+        state: dict[Any, Any],
+    ) -> bool:
+        """Rebuild the per-parameter state in C-level passes; ``False`` if unusual.
+
+        Usual: int or str param ids, plain-dict entries with str state names and no
+        nested state. The values of all ``state.*`` keys are looked up in one pass.
+        """
+        entries = list(like_state.values())
+        if not (
+            set(map(type, like_state)) <= {int, str}
+            and set(map(type, entries)) <= {dict}
+            and set(map(type, chain.from_iterable(entries))) <= {str}
+            and not any(
+                issubclass(tp, Mapping)
+                for tp in set(map(type, chain.from_iterable(map(dict.values, entries))))
+            )
+        ):
+            return False
+        spelled = list(map(str, like_state))
+        keys = [
+            f"{state_prefix}{s}.{name}" for s, e in zip(spelled, entries, strict=True) for name in e
+        ]
+        values = list(map(self.flat.get, keys, repeat(MISSING)))
+        lost = sum(map(is_, values, repeat(MISSING)))
+        self.hits += len(values) - lost
+        taken = iter(values)
+        rebuilt = map(dict, map(zip, entries, map(islice, repeat(taken), map(len, entries))))
+        if not lost:
+            state.update(zip(like_state, rebuilt, strict=True))
+        else:  # a parameter keeps the state names the flat dict has, and none if it has none
+            for pid, entry, fields in zip(like_state, entries, rebuilt, strict=True):
+                kept = {k: v for k, v in fields.items() if v is not MISSING}
+                if kept or not entry:
+                    state[pid] = kept
+        pids.update(zip(spelled, like_state, strict=True))
+        return True
 
     def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
         placed = set(flatten(like))
