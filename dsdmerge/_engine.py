@@ -352,11 +352,11 @@ def _align(
     while True:
         if len(cb) < _CHUNK:
             more = list(islice(c_iter, _CHUNK))
-            c_key_types.update(map(type, more))
+            _add_key_types(c_key_types, more)
             cb += more
         if len(rb) < _CHUNK:
             more = list(islice(r_iter, _CHUNK))
-            r_key_types.update(map(type, more))
+            _add_key_types(r_key_types, more)
             rb += more
         n = min(len(cb), len(rb))
         if not n:
@@ -394,9 +394,17 @@ def _align(
         (cb, c_iter, c_key_types, unexpected),
     ):
         rest += it
-        types.update(map(type, rest))
+        _add_key_types(types, rest)
         out += rest
     return runs, missing, unexpected
+
+
+def _add_key_types(types: set[type], keys: list[Any]) -> None:
+    """Add the types of ``keys`` to ``types`` (counting exact str is the cheap common case)."""
+    if list(map(type, keys)).count(str) == len(keys):
+        types.add(str)
+    else:
+        types.update(map(type, keys))
 
 
 def _c_values_at_r(

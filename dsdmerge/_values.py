@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -95,7 +94,6 @@ _KNOWN_LEAVES: dict[type, int] = {
     for tp in (torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list)
 }
 KNOWN_LEAF_TYPES = frozenset(_KNOWN_LEAVES)
-_UNKNOWN = 2
 
 
 def leaf_codes(values: Iterable[Any]) -> bytes | None:
@@ -106,8 +104,10 @@ def leaf_codes(values: Iterable[Any]) -> bytes | None:
     not ``None``, every value is a leaf (no mapping) and every tensor-like value
     is a ``torch.Tensor`` or ``Parameter``.
     """
-    codes = bytes(map(_KNOWN_LEAVES.get, map(type, values), repeat(_UNKNOWN)))
-    return None if _UNKNOWN in codes else codes
+    try:
+        return bytes(map(_KNOWN_LEAVES.__getitem__, map(type, values)))
+    except KeyError:  # a type not in the table
+        return None
 
 
 def shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:
