@@ -245,11 +245,13 @@ def _flat(
         # {**r, **c} exactly (same keys, order and objects), built from a copy of the reference
         # by writing the checkpoint's value only where it is another object: each write looks
         # the reference's own key object up, and a shared value (False, None, ...) needs none.
-        c_at_r = list(_c_values_at_r(c, r, runs, missing))
-        other = bytes(map(is_not, c_at_r, r.values()))
+        # (a block at a time: no list as long as the state dict, and the block stays in cache)
         merged = {**r}
-        merged.update(compress(zip(r, c_at_r), other))  # noqa: B905
-        del c_at_r, other
+        c_at_r = _c_values_at_r(c, r, runs, missing)
+        r_keys, r_values = iter(r), iter(r.values())
+        while block := list(islice(c_at_r, _BLOCK)):
+            other = bytes(map(is_not, block, r_values))
+            merged.update(compress(zip(islice(r_keys, len(block)), block), other))  # noqa: B905
         if unexpected and keep_unexpected:
             merged.update(zip(unexpected, map(c.__getitem__, unexpected), strict=True))
         if 1 in picked:  # the merged values at the reference's positions are the checkpoint's
@@ -322,6 +324,7 @@ def _finish(
 
 
 _CHUNK = 1024  # keys taken from each side at a time in _align
+_BLOCK = 16384  # values written at a time when a flat merge fills its result
 
 
 def _align(

@@ -156,6 +156,15 @@ def test_many_scattered_differences_give_up_the_walk_and_still_agree_with_the_mo
     assert list(dm.merge(c, r)) == list({**r, **c})
 
 
+def test_a_merge_larger_than_its_blocks_keeps_every_object_in_place():
+    r = {f"k{i}": (torch.zeros(1) if i % 3 else False) for i in range(40_000)}
+    c = {k: (torch.zeros(1) if i % 3 else False) for i, k in enumerate(r) if i % 1000 != 7}
+    c["new"] = 1.5
+    out = dm.merge(c, r)
+    assert list(out) == list({**r, **c})
+    assert all(out[k] is (c[k] if k in c else r[k]) for k in out)
+
+
 def test_keys_in_another_order_agree_with_the_model():
     r = {f"k{i}": torch.zeros(i % 3 + 1) for i in range(5000)}
     c = {k: torch.zeros(3) for k in reversed(list(r)) if k != "k17"}
