@@ -3,13 +3,22 @@
 :func:`run` compares a checkpoint with a reference and, when asked, builds the
 merged state dict in the checkpoint's layout, in one walk:
 
-* flat pairs: C-level key-set operations, a type scan, and shape/dtype checks on
-  the tensor pairs only; ``{**reference, **checkpoint}`` for the result, then
-  group-consistent values for backfilled ``param_groups.*`` keys;
-* nested pairs: per parameter and per state field (never per flat key), with
-  new containers and shared leaves.
+* flat pairs: one C-level type pass over each side's values; a walk of the two
+  key sequences side by side (string comparisons, a lookup only where they
+  differ) that finds the missing and unexpected keys and checks the key types;
+  the result, exactly ``{**reference, **checkpoint}``, built from a copy of the
+  reference by writing only the checkpoint values that are other objects; the
+  shape/dtype checks of all tensor pairs in C-level passes; group-consistent
+  values for backfilled ``param_groups.*`` keys. Keys in another order fall back
+  to a pass over the union;
+* nested pairs: per parameter (never per flat key), in C-level passes over all
+  parameters in the common case, with new containers and shared leaves.
 
-Policy decisions are made by :mod:`dsdmerge.merge` on what this returns.
+Everything here works on the whole state dict with a few passes of ``map``,
+``compress``, ``zip`` and list/bytes operations rather than a Python frame per
+key: at ~10^6 keys, the cost of a flat merge is a small multiple of the cost of
+building one dict. Policy decisions are made by :mod:`dsdmerge.merge` on what
+this returns.
 """
 
 from __future__ import annotations
