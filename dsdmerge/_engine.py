@@ -3,28 +3,49 @@
 :func:`run` compares a checkpoint with a reference and, when asked, builds the
 merged state dict in the checkpoint's layout, in one walk:
 
-* flat pairs: C-level key-set operations, a type scan, and shape/dtype checks on
-  the tensor pairs only; ``{**reference, **checkpoint}`` for the result, then
-  group-consistent values for backfilled ``param_groups.*`` keys;
-* nested pairs: per parameter and per state field (never per flat key), with
-  new containers and shared leaves.
+* flat pairs: one C-level type pass over each side's values; a walk of the two
+  key sequences side by side (string comparisons, a lookup only where they
+  differ) that finds the missing and unexpected keys and checks the key types;
+  the result, exactly ``{**reference, **checkpoint}``, built from a copy of the
+  reference by writing only the checkpoint values that are other objects; the
+  shape/dtype checks of all tensor pairs in C-level passes; group-consistent
+  values for backfilled ``param_groups.*`` keys. Keys in another order fall back
+  to a pass over the union;
+* nested pairs: per parameter (never per flat key), in C-level passes over all
+  parameters in the common case, with new containers and shared leaves.
 
-Policy decisions are made by :mod:`dsdmerge.merge` on what this returns.
+Everything here works on the whole state dict with a few passes of ``map``,
+``compress``, ``zip`` and list/bytes operations rather than a Python frame per
+key: at ~10^6 keys, the cost of a flat merge is a small multiple of the cost of
+building one dict. Policy decisions are made by :mod:`dsdmerge.merge` on what
+this returns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from itertools import compress
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
+from itertools import accumulate, chain, compress, count, cycle, filterfalse, islice, repeat
+from operator import add, and_, attrgetter, is_, is_not, itemgetter, methodcaller, ne, not_
 from typing import Any
 
 import torch
 
-from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr, tensor_types
+from dsdmerge._values import (
+    KNOWN_LEAF_TYPES,
+    MISSING,
+    freeze,
+    key_str,
+    leaf_codes,
+    same_value,
+    short_repr,
+    tensor_like,
+)
 from dsdmerge.diff import Mismatch, TensorMeta
 from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_flat
+from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_str_keys
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -33,9 +54,10 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     check_not_mixed,
-    classify,
     is_optimizer_state_dict,
+    layout_of,
     require_mapping,
+    value_types,
 )
 
 __all__: list[str] = []
@@ -66,8 +88,13 @@ def run(
     """Compare (and merge) ``checkpoint`` over ``reference``; see the module docstring."""
     require_mapping(checkpoint, "checkpoint")
     require_mapping(reference, "reference")
-    c_layout = classify(checkpoint)
-    r_layout = classify(reference)
+    # One pass over each side's values serves classify, require_flat and the tensor checks:
+    # a set of the value types, or for the reference (whose tensor positions the flat pass
+    # needs) a code per value when every value has a common leaf type.
+    c_types = value_types(checkpoint)
+    r_codes, r_types = _scan(reference)
+    c_layout = layout_of(checkpoint, c_types)
+    r_layout = layout_of(reference, r_types)
     if c_layout is Layout.NESTED and r_layout is Layout.NESTED:
         return _Nested(merge=merge, keep_unexpected=keep_unexpected, conflicts=conflicts).run(
             checkpoint, reference
@@ -80,6 +107,7 @@ def run(
                 "the reference nested, or merge dsdmerge.flatten(checkpoint) instead."
             )
         checkpoint = flatten(checkpoint)
+        c_types = value_types(checkpoint)
     groups = None
     if r_layout is Layout.NESTED:
         if is_optimizer_state_dict(reference):
@@ -89,16 +117,34 @@ def run(
                 if isinstance(g, Mapping) and isinstance(g.get(PARAMS), (list, tuple))
             ]
         reference = flatten(reference)
-    require_flat(checkpoint, "checkpoint")
-    require_flat(reference, "reference")
+        r_codes, r_types = _scan(reference)
+    # both are flat now; _flat checks that their keys are str, on its way through them
+    if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
+        r_tt = tensor_like(r_types)
+        r_codes = bytes(map(r_tt.__contains__, map(type, reference.values()))) if r_tt else b""
+    else:
+        r_tt = _KNOWN_TENSOR_TYPES
     return _flat(
         checkpoint,
         reference,
+        r_codes,
+        r_tt,
         merge=merge,
         keep_unexpected=keep_unexpected,
         conflicts=conflicts,
         groups=groups,
     )
+
+
+_KNOWN_TENSOR_TYPES = tensor_like(KNOWN_LEAF_TYPES)
+
+
+def _scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
+    """``(codes, types)``: :func:`leaf_codes` of the values, and their types (or a superset)."""
+    codes = leaf_codes(sd.values())
+    if codes is not None:
+        return codes, KNOWN_LEAF_TYPES
+    return None, value_types(sd)
 
 
 # --------------------------------------------------------------------------------------
@@ -120,8 +166,54 @@ def _differs(c: Any, r: Any) -> bool:
         return True
 
 
-def _torch_types(types: frozenset[type]) -> bool:
+def _torch_types(types: Iterable[type]) -> bool:
     return all(issubclass(tp, torch.Tensor) for tp in types)
+
+
+# ``(value.shape, value.dtype)`` in one C-level call: with ``map`` the pairs are compared
+# without a Python frame per tensor (``.shape`` builds a new torch.Size every time, so the
+# attribute fetches are most of the cost of a tensor check).
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+
+
+def _mismatched(
+    c_vals: list[Any],
+    r_vals: list[Any],
+    c_seen: Iterable[type] | None = None,
+    r_seen: Iterable[type] | None = None,
+) -> list[int]:
+    """Positions where both values are tensor-like, not one object, and differ in shape or dtype.
+
+    ``c_vals`` and ``r_vals`` are aligned (same length); ``c_seen`` and ``r_seen``, when
+    given, are the types in them (or supersets). Type checks run once per distinct
+    type; the comparisons run in C when every compared value is a torch tensor.
+    """
+    c_seen = set(map(type, c_vals)) if c_seen is None else set(c_seen)
+    r_seen = set(map(type, r_vals)) if r_seen is None else set(r_seen)
+    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
+    if not c_tt or not r_tt:
+        return []
+    positions: Iterable[int] = range(len(c_vals))
+    if len(c_tt) < len(c_seen) or len(r_tt) < len(r_seen):  # keep the tensor pairs only
+        keep = bytes(
+            map(
+                and_,
+                map(c_tt.__contains__, map(type, c_vals)),
+                map(r_tt.__contains__, map(type, r_vals)),
+            )
+        )
+        positions = list(compress(positions, keep))
+        c_vals = list(compress(c_vals, keep))
+        r_vals = list(compress(r_vals, keep))
+    if _torch_types(c_tt) and _torch_types(r_tt):
+        # identical objects compare equal, so they need no filtering
+        differ = map(ne, map(_SHAPE_DTYPE, c_vals), map(_SHAPE_DTYPE, r_vals))
+        return list(compress(positions, differ))
+    return [
+        i
+        for i, cv, rv in zip(positions, c_vals, r_vals, strict=True)
+        if cv is not rv and _differs(cv, rv)
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -131,27 +223,103 @@ def _torch_types(types: frozenset[type]) -> bool:
 def _flat(
     c: Mapping[str, Any],
     r: Mapping[str, Any],
+    picked: bytes,
+    r_tensor_types: frozenset[type],
     *,
     merge: bool,
     keep_unexpected: bool,
     conflicts: bool,
     groups: list[list[str]] | None,
 ) -> Outcome:
-    if len(c) == len(r) and c.keys() == r.keys():
-        missing: list[str] = []
-        unexpected: list[str] = []
-    else:
-        gone = r.keys() - c.keys()
-        missing = list(filter(gone.__contains__, r)) if gone else []
-        extra = c.keys() - r.keys()
-        unexpected = list(filter(extra.__contains__, c)) if extra else []
-    mismatches = _flat_mismatches(c, r)
+    """``picked``: 1 per tensor-like value of ``r``, whose types are among ``r_tensor_types``."""
+    c_key_types: set[type] = set()
+    r_key_types: set[type] = set()
+    aligned = _align(c, r, c_key_types, r_key_types)
+    if aligned is None:  # the keys come in another order: find the differences by hashing
+        require_str_keys(c, "checkpoint", set(map(type, c)))
+        require_str_keys(r, "reference", set(map(type, r)))
+        return _flat_by_union(
+            c,
+            r,
+            picked,
+            r_tensor_types,
+            merge=merge,
+            keep_unexpected=keep_unexpected,
+            conflicts=conflicts,
+            groups=groups,
+        )
+    require_str_keys(c, "checkpoint", c_key_types)
+    require_str_keys(r, "reference", r_key_types)
+    runs, missing, unexpected = aligned
     merged: dict[str, Any] | None = None
+    r_vals: list[Any] = []
+    u_vals: list[Any] = []
     if merge:
-        merged = {**r, **c}
-        if unexpected and not keep_unexpected:
-            for key in unexpected:
-                del merged[key]
+        # {**r, **c} exactly (same keys, order and objects), built from a copy of the reference
+        # by writing the checkpoint's value only where it is another object: each write looks
+        # the reference's own key object up, and a shared value (False, None, ...) needs none.
+        # (a block at a time: no list as long as the state dict, and the block stays in cache)
+        merged = {**r}
+        c_at_r = _c_values_at_r(c, r, runs, missing)
+        r_keys, r_values = iter(r), iter(r.values())
+        while block := list(islice(c_at_r, _BLOCK)):
+            other = bytes(map(is_not, block, r_values))
+            merged.update(compress(zip(islice(r_keys, len(block)), block), other))  # noqa: B905
+        if unexpected and keep_unexpected:
+            merged.update(zip(unexpected, map(c.__getitem__, unexpected), strict=True))
+        if 1 in picked:  # the merged values at the reference's positions are the checkpoint's
+            u_vals = list(compress(merged.values(), picked))
+    elif 1 in picked:
+        u_vals = list(compress(_c_values_at_r(c, r, runs, missing), picked))
+    if u_vals:
+        r_vals = list(compress(r.values(), picked))
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    return _finish(
+        c,
+        r,
+        merged,
+        missing,
+        unexpected,
+        mismatches,
+        conflicts=conflicts,
+        groups=groups,
+        c_at_r=lambda: _c_values_at_r(c, r, runs, missing, MISSING),
+    )
+
+
+def _mismatches(
+    r: Mapping[str, Any],
+    picked: bytes,
+    u_vals: list[Any],
+    r_vals: list[Any],
+    r_tensor_types: frozenset[type],
+) -> list[Mismatch]:
+    bad = _mismatched(u_vals, r_vals, None, r_tensor_types)
+    if not bad:
+        return []
+    r_keys = list(compress(r, picked))
+    return [
+        Mismatch(r_keys[i], _meta(u_vals[i], r_keys[i]), _meta(r_vals[i], r_keys[i])) for i in bad
+    ]
+
+
+def _finish(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    merged: dict[str, Any] | None,
+    missing: list[str],
+    unexpected: list[str],
+    mismatches: list[Mismatch],
+    *,
+    conflicts: bool,
+    groups: list[list[str]] | None,
+    c_at_r: Callable[[], Iterable[Any]] | None = None,
+) -> Outcome:
+    """The :class:`Outcome` of a flat pass.
+
+    ``c_at_r()``, if the pass can tell: the checkpoint's values at the reference's
+    positions, ``MISSING`` where it lacks the key.
+    """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
         target = merged
@@ -160,41 +328,396 @@ def _flat(
             return lambda: target.__setitem__(key, r[key])
 
         outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
-    backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merge else []
-    if backfilled or (conflicts and any(k.startswith(PG_PREFIX) for k in c)):
-        _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
+    backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merged is not None else []
+    if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
+        table = _PgTable.of(r)
+        if table is None:
+            _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
+        else:
+            table.resolve(c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
     return outcome
 
 
-def _flat_mismatches(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[Mismatch]:
-    r_types = tensor_types(r.values())
-    if not r_types:
-        return []
-    c_types = tensor_types(c.values())
-    if not c_types:
-        return []
-    fast = _torch_types(r_types) and _torch_types(c_types)
-    out: list[Mismatch] = []
-    get = c.get
-    for key, rv in compress(r.items(), map(r_types.__contains__, map(type, r.values()))):
-        cv = get(key, MISSING)
-        if cv is rv or type(cv) not in c_types:
+_CHUNK = 1024  # keys taken from each side at a time in _align
+_BLOCK = 16384  # values written at a time when a flat merge fills its result
+
+
+def _align(
+    c: Mapping[str, Any], r: Mapping[str, Any], c_key_types: set[type], r_key_types: set[type]
+) -> tuple[list[tuple[int, int, int]], list[str], list[str]] | None:
+    """Walk the two key sequences side by side: ``(runs, missing, unexpected)``, or ``None``.
+
+    State dicts of one model come in one key order, so the checkpoint's keys are
+    mostly the reference's keys at shifted positions. The walk takes the keys a
+    chunk at a time from each side (adding their types to ``c_key_types`` and
+    ``r_key_types`` while the chunk is in cache) and skips equal stretches by
+    comparing the chunks in C, a string comparison per key and no hashing. Where
+    keys differ, one lookup tells which side has a key the other lacks. ``runs``
+    are ``(c_position, r_position, length)`` of equal keys; ``missing`` and
+    ``unexpected`` come out in reference and checkpoint order. ``None`` when both
+    keys at a difference exist on the other side (the orders differ) or when the
+    differences are too many for a walk to pay off; the key types are then partial.
+    """
+    c_iter, r_iter = iter(c), iter(r)
+    cb: list[Any] = []  # keys taken but not walked yet; cb[0] is at position i
+    rb: list[Any] = []
+    i = j = 0
+    run_i = run_j = 0
+    runs: list[tuple[int, int, int]] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    budget = 64 + len(r) // 16
+    while True:
+        if len(cb) < _CHUNK:
+            more = list(islice(c_iter, _CHUNK))
+            _add_key_types(c_key_types, more)
+            cb += more
+        if len(rb) < _CHUNK:
+            more = list(islice(r_iter, _CHUNK))
+            _add_key_types(r_key_types, more)
+            rb += more
+        n = min(len(cb), len(rb))
+        if not n:
+            break
+        if cb == rb if len(cb) == len(rb) else cb[:n] == rb[:n]:
+            del cb[:n], rb[:n]
+            i += n
+            j += n
             continue
-        if (cv.shape != rv.shape or cv.dtype != rv.dtype) if fast else _differs(cv, rv):
-            out.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
-    return out
+        step = next(compress(count(), map(ne, cb, rb)))  # the first key that differs
+        del cb[:step], rb[:step]
+        i += step
+        j += step
+        if i > run_i:
+            runs.append((run_i, run_j, i - run_i))
+        a, b = cb[0], rb[0]
+        if b not in c:
+            missing.append(b)
+            del rb[0]
+            j += 1
+        elif a not in r:
+            unexpected.append(a)
+            del cb[0]
+            i += 1
+        else:
+            return None
+        run_i, run_j = i, j
+        budget -= 1
+        if budget < 0:
+            return None
+    if i > run_i:
+        runs.append((run_i, run_j, i - run_i))
+    for rest, it, types, out in (
+        (rb, r_iter, r_key_types, missing),
+        (cb, c_iter, c_key_types, unexpected),
+    ):
+        rest += it
+        _add_key_types(types, rest)
+        out += rest
+    return runs, missing, unexpected
 
 
-def _parse_groups(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``param_groups.<fqn>.<hp>`` keys -> ``{fqn: {hp: value}}`` in key order."""
-    hyper: dict[str, dict[str, Any]] = {}
-    n = len(PG_PREFIX)
-    for key, value in flat.items():
-        if key.startswith(PG_PREFIX):
+def _add_key_types(types: set[type], keys: list[Any]) -> None:
+    """Add the types of ``keys`` to ``types`` (counting exact str is the cheap common case)."""
+    if list(map(type, keys)).count(str) == len(keys):
+        types.add(str)
+    else:
+        types.update(map(type, keys))
+
+
+def _c_values_at_r(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    runs: list[tuple[int, int, int]],
+    missing: list[str],
+    fill: Any = None,
+) -> Iterator[Any]:
+    """The checkpoint's value at each position of the reference, lazily, from :func:`_align`.
+
+    Where the checkpoint lacks the key, ``fill`` stands in (the reference's own value
+    when ``fill`` is ``None``).
+    """
+
+    def gap(keys: list[str]) -> Iterable[Any]:
+        return map(r.__getitem__, keys) if fill is None else repeat(fill, len(keys))
+
+    def parts() -> Iterator[Iterable[Any]]:
+        values = iter(c.values())
+        at_c = at_r = m = 0
+        for i, j, n in runs:
+            if j > at_r:  # missing keys before this run
+                yield gap(missing[m : m + j - at_r])
+                m += j - at_r
+            if i > at_c:  # skip the unexpected ones
+                next(islice(values, i - at_c, i - at_c), None)
+            yield islice(values, n)
+            at_c, at_r = i + n, j + n
+        if m < len(missing):
+            yield gap(missing[m:])
+
+    return chain.from_iterable(parts())
+
+
+def _flat_by_union(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    picked: bytes,
+    r_tensor_types: frozenset[type],
+    *,
+    merge: bool,
+    keep_unexpected: bool,
+    conflicts: bool,
+    groups: list[list[str]] | None,
+) -> Outcome:
+    """:func:`_flat` for keys in different orders: every key is hashed once, in ``{**r, **c}``."""
+    # The union has the reference's keys in order, with the checkpoint's value wherever the
+    # checkpoint has the key, then the checkpoint's new keys (the unexpected ones) in order.
+    union = {**r, **c}
+    n_r = len(r)
+    n_missing = len(union) - len(c)
+    unexpected = list(islice(union, n_r, None)) if len(union) > n_r else []
+    # The reference's tensors, and the union's values at the same places: the checkpoint's
+    # value, or the reference's own tensor when the checkpoint lacks the key.
+    r_vals: list[Any] = []
+    u_vals: list[Any] = []
+    if 1 in picked:
+        r_vals = list(compress(r.values(), picked))
+        u_vals = list(compress(union.values(), picked))
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    # missing keys keep the reference's own value in the union: among the tensors, those are
+    # the only candidates (besides a tensor the checkpoint shares with the reference)
+    kept = list(compress(count(), map(is_, u_vals, r_vals))) if n_missing else []
+    r_keys = list(compress(r, picked)) if kept else []
+    missing = _missing(c, r, union, n_missing, [r_keys[i] for i in kept])
+    del r_keys, r_vals, u_vals
+    merged: dict[str, Any] | None = None
+    if merge:
+        merged = union
+        if unexpected and not keep_unexpected:
+            for key in unexpected:
+                del merged[key]
+    return _finish(
+        c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
+    )
+
+
+def _missing(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    union: dict[str, Any],
+    count: int,
+    tensor_candidates: list[str],
+) -> list[str]:
+    """The ``count`` keys of ``r`` that ``c`` lacks, in reference order.
+
+    A missing key keeps the reference's value in the union, so only keys whose union
+    value *is* the reference's value need a lookup in ``c``. Tensors are distinct
+    objects on the two sides, so the tensor keys with that property are tried first:
+    when they account for every missing key, the other values (``False``, ``None``,
+    ... are shared objects) need no lookups at all.
+    """
+    if not count:
+        return []
+    if count == len(r):
+        return list(r)
+    if tensor_candidates:
+        found = list(filterfalse(c.__contains__, tensor_candidates))
+        if len(found) == count:
+            return found
+    return list(filterfalse(c.__contains__, compress(r, map(is_, r.values(), union.values()))))
+
+
+@dataclasses.dataclass
+class _PgTable:
+    """The ``param_groups.*`` keys of a flat reference as a table: one row per parameter.
+
+    Torch's flattened format writes, for every parameter, the same hyperparameters in
+    the same order. When the reference's keys have that shape, group inference,
+    backfills and conflict checks work on columns of the table in C-level passes.
+    """
+
+    picked: bytes  # 1 per reference key that is a param_groups.* key
+    keys: list[str]  # those keys, row after row
+    fqns: list[str]  # one per row
+    names: list[str]  # the hyperparameters, one per column
+    values: list[Any]  # the reference's values, row after row
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> _PgTable | None:
+        """The table of ``r``, or ``None`` when its keys do not have that shape.
+
+        The shape is checked without splitting every key: the first row gives the
+        hyperparameter names, the first key of each row its fqn, and then every key
+        must be ``param_groups.<row fqn>.<column name>`` (prefix, suffix and length),
+        which is what :func:`_parse_groups` would make of it.
+        """
+        n = len(PG_PREFIX)
+        picked = bytes(map(str.startswith, r, repeat(PG_PREFIX)))
+        keys = list(compress(r, picked))
+        if not keys:
+            return None
+        first_fqn, dot, _ = keys[0][n:].rpartition(".")
+        names = []
+        for key in keys:
             fqn, dot, name = key[n:].rpartition(".")
-            if dot and fqn:
-                hyper.setdefault(fqn, {})[name] = value
-    return hyper
+            if fqn != first_fqn:
+                break
+            names.append(name)
+        k = len(names)
+        rows, rest = divmod(len(keys), k)
+        if rest or not dot or not first_fqn or len(set(names)) != k or "." in "".join(names):
+            return None
+        suffixes = ["." + name for name in names]
+        heads = keys[::k]
+        if not all(map(str.endswith, heads, repeat(suffixes[0]))):
+            return None
+        fqns = list(map(itemgetter(slice(n, -len(suffixes[0]))), heads))
+        prefixes = list(map(add, repeat(PG_PREFIX), map(add, fqns, repeat("."))))
+        each = list(chain.from_iterable(map(repeat, prefixes, repeat(k))))
+        if (
+            not all(fqns)
+            or len(set(fqns)) != rows
+            or not all(map(str.startswith, keys, each))
+            or not all(map(str.endswith, keys, cycle(suffixes)))
+            or list(map(len, keys)) != list(map(add, map(len, each), cycle(map(len, names))))
+        ):
+            return None
+        return cls(picked, keys, fqns, names, list(compress(r.values(), picked)))
+
+    def inferred_groups(self) -> list[list[int]]:
+        """Rows whose reference hyperparameters are all equal, in order of first appearance.
+
+        Members of a group share their value objects, so rows are matched by identity
+        to a few template rows (a bit mask per template, ANDed over the columns), and
+        only the templates are frozen and compared by value.
+        """
+        k, n_rows = len(self.names), len(self.fqns)
+        columns = [self.values[j::k] for j in range(k)]
+        left = (1 << (8 * n_rows)) - 1  # a bit per row at 8-bit spacing: the rows not matched
+        left &= int.from_bytes(b"\x01" * n_rows, "little")
+        templates: list[tuple[int, int]] = []  # (first row, mask of the rows like it)
+        while left:
+            if len(templates) == 64:  # too many distinct rows for masks: freeze every row
+                return self._groups_by_row()
+            t = ((left & -left).bit_length() - 1) // 8
+            mask = left
+            for column in columns:
+                mask &= int.from_bytes(bytes(map(is_, column, repeat(column[t]))), "little")
+            templates.append((t, mask))
+            left &= ~mask
+        masks: dict[Any, int] = {}  # signature -> rows, in order of first appearance
+        for t, mask in templates:
+            row = self.values[t * k : t * k + k]
+            signature = tuple((name, freeze(v)) for name, v in zip(self.names, row, strict=True))
+            masks[signature] = masks.get(signature, 0) | mask
+        return [list(compress(count(), mask.to_bytes(n_rows, "little"))) for mask in masks.values()]
+
+    def _groups_by_row(self) -> list[list[int]]:
+        k = len(self.names)
+        by_signature: dict[Any, list[int]] = {}
+        frozen: dict[int, Any] = {}
+        for i in range(len(self.fqns)):
+            signature = []
+            for name, v in zip(self.names, self.values[i * k : i * k + k], strict=True):
+                f = frozen.get(id(v), MISSING)
+                if f is MISSING:
+                    f = frozen[id(v)] = freeze(v)
+                signature.append((name, f))
+            by_signature.setdefault(tuple(signature), []).append(i)
+        return list(by_signature.values())
+
+    def resolve(
+        self,
+        c: Mapping[str, Any],
+        groups: list[list[str]] | None,
+        backfilled: list[str],
+        outcome: Outcome,
+        *,
+        conflicts: bool,
+        c_at_r: Callable[[], Iterable[Any]] | None,
+    ) -> None:
+        """:func:`_group_hyperparameters`, by columns."""
+        inferred = " (inferred)" if groups is None else ""
+        if groups is None:
+            rows = self.inferred_groups()
+        else:
+            row_of = dict(zip(self.fqns, count()))
+            rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
+        merged = outcome.merged
+        if backfilled and merged is not None:
+            group_of = {self.fqns[i]: index for index, members in enumerate(rows) for i in members}
+            n = len(PG_PREFIX)
+            found_values: dict[tuple[int, str], Any] = {}
+            for key in backfilled:
+                fqn, _, name = key[n:].rpartition(".")
+                index = group_of.get(fqn)
+                if index is None:
+                    continue
+                value = found_values.get((index, name), found_values)
+                if value is found_values:  # first backfill of this group and name: scan once
+                    value = MISSING
+                    for i in rows[index]:
+                        value = c.get(f"{PG_PREFIX}{self.fqns[i]}.{name}", MISSING)
+                        if value is not MISSING:
+                            break
+                    found_values[index, name] = value
+                if value is not MISSING:
+                    merged[key] = value
+        if not conflicts:
+            return
+        if c_at_r is None:
+            c_vals = list(map(c.get, self.keys, repeat(MISSING)))
+        else:
+            c_vals = list(compress(c_at_r(), self.picked))
+        k = len(self.names)
+        for index, members in enumerate(rows):
+            found: list[tuple[int, int, str]] = []
+            for j, name in enumerate(self.names):
+                column = list(map(c_vals[j::k].__getitem__, members))
+                if column and all(map(is_, column, repeat(column[0]))) and column[0] is not MISSING:
+                    continue  # the same object for every member: no conflict
+                first: tuple[int, Any] | None = None
+                for at, value in enumerate(column):
+                    if value is MISSING:
+                        continue
+                    if first is None:
+                        first = (at, value)
+                    elif not same_value(first[1], value):
+                        found.append(
+                            (
+                                at,
+                                j,
+                                f"param group {index}{inferred}: checkpoint members disagree on "
+                                f"{name!r}: {self.fqns[members[first[0]]]} has "
+                                f"{short_repr(first[1])}, {self.fqns[members[at]]} has "
+                                f"{short_repr(value)}; torch keeps the first member's value "
+                                "for the whole group",
+                            )
+                        )
+                        break
+            found.sort(key=itemgetter(0, 1))
+            outcome.conflicts.extend(text for _, _, text in found)
+
+
+def _parse_groups(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``param_groups.<fqn>.<hp>`` keys -> ``{fqn: {hp: value}}`` in key order, and the keys.
+
+    The second mapping is ``{fqn: {hp: flat key}}``, so that the same key can be
+    looked up elsewhere without spelling it again.
+    """
+    hyper: dict[str, dict[str, Any]] = {}
+    keys: dict[str, Any] = {}
+    n = len(PG_PREFIX)
+    for key, value in compress(flat.items(), map(methodcaller("startswith", PG_PREFIX), flat)):
+        fqn, dot, name = key[n:].rpartition(".")
+        if dot and fqn:
+            values = hyper.get(fqn)
+            if values is None:
+                values = hyper[fqn] = {}
+                keys[fqn] = {}
+            values[name] = value
+            keys[fqn][name] = key
+    return hyper, keys
 
 
 def _group_hyperparameters(
@@ -213,13 +736,20 @@ def _group_hyperparameters(
     the first member of its group (in reference order) that the checkpoint has,
     and the reference's value only when no member has one.
     """
-    r_hyper = _parse_groups(r)
+    r_hyper, r_keys = _parse_groups(r)
     inferred = " (inferred)" if groups is None else ""
     if groups is None:
+        # parameters of one group share their value objects: freeze each object once
+        frozen: dict[int, Any] = {}
         by_signature: dict[Any, list[str]] = {}
         for fqn, values in r_hyper.items():
-            signature = tuple((name, freeze(v)) for name, v in values.items())
-            by_signature.setdefault(signature, []).append(fqn)
+            signature = []
+            for name, v in values.items():
+                f = frozen.get(id(v), MISSING)
+                if f is MISSING:
+                    f = frozen[id(v)] = freeze(v)
+                signature.append((name, f))
+            by_signature.setdefault(tuple(signature), []).append(fqn)
         groups = list(by_signature.values())
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     merged = outcome.merged
@@ -241,18 +771,22 @@ def _group_hyperparameters(
             merged[key] = value
     if not conflicts:
         return
+    c_get = c.get
     for index, members in enumerate(groups):
         seen: dict[str, tuple[str, Any]] = {}
         reported: set[str] = set()
         for member in members:
-            for name in r_hyper.get(member, {}):
-                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
+            keys = r_keys.get(member)
+            if not keys:
+                continue
+            for name, key in keys.items():
+                value = c_get(key, MISSING)
                 if value is MISSING or name in reported:
                     continue
                 first = seen.get(name)
                 if first is None:
                     seen[name] = (member, value)
-                elif not same_value(first[1], value):
+                elif first[1] is not value and not same_value(first[1], value):
                     reported.add(name)
                     outcome.conflicts.append(
                         f"param group {index}{inferred}: checkpoint members disagree on "
@@ -446,6 +980,21 @@ class _Nested:
         c_state, r_state = c[STATE], r[STATE]
         _check_id_kinds(c, r, prefix)
         state: dict[Any, Any] = {}
+        if not _id_types_ok(r_state) or not self._fast_state(c_state, r_state, state, prefix):
+            self._state(c_state, r_state, state, prefix)
+        if not c_state.keys() <= r_state.keys():
+            self.any_unexpected = True
+        groups = self._groups(c, r, prefix)
+        return {STATE: state, PARAM_GROUPS: groups}
+
+    def _state(
+        self,
+        c_state: Mapping[Any, Any],
+        r_state: Mapping[Any, Any],
+        state: dict[Any, Any],
+        prefix: str,
+    ) -> None:
+        """Merge the per-parameter state, one parameter at a time."""
         state_prefix = prefix + STATE_PREFIX
         for pid, r_entry in r_state.items():
             key = state_prefix + key_str(pid, prefix + STATE)
@@ -460,10 +1009,84 @@ class _Nested:
                 state[pid] = self._entry(c_entry, r_entry, key)
             else:
                 state[pid] = self._tree(c_entry, r_entry, key + ".", in_state=True)
-        if len(c_state) > len(r_state) or any(pid not in r_state for pid in c_state):
-            self.any_unexpected = True
-        groups = self._groups(c, r, prefix)
-        return {STATE: state, PARAM_GROUPS: groups}
+
+    def _fast_state(
+        self,
+        c_state: Mapping[Any, Any],
+        r_state: Mapping[Any, Any],
+        state: dict[Any, Any],
+        prefix: str,
+    ) -> bool:
+        """:meth:`_state` in C-level passes over all parameters, in the common case.
+
+        A parameter whose two entries are plain dicts with the same state names in
+        the same order gets a copy of the checkpoint's entry; the value pairs of all
+        such parameters are type-checked and compared together, and reported in the
+        order :meth:`_state` would report them. The other parameters (backfills,
+        other entry types) go through :meth:`_state` one by one, in order. Returns
+        ``False``, having done nothing, when the state names differ somewhere or a
+        state value is itself a mapping (nested state): :meth:`_state` then does it all.
+        """
+        c_entries = list(map(c_state.get, r_state, repeat(MISSING)))
+        fast = bytes(
+            map(
+                and_,
+                map(is_, map(type, c_entries), repeat(dict)),
+                map(is_, map(type, r_state.values()), repeat(dict)),
+            )
+        )
+        fast_c = list(compress(c_entries, fast))
+        fast_r = list(compress(r_state.values(), fast))
+        del c_entries
+        # the same names in the same order, parameter by parameter (lengths, then all names)
+        if list(map(len, fast_c)) != list(map(len, fast_r)) or list(
+            chain.from_iterable(fast_c)
+        ) != list(chain.from_iterable(fast_r)):
+            return False
+        c_vals = list(chain.from_iterable(map(dict.values, fast_c)))
+        r_vals = list(chain.from_iterable(map(dict.values, fast_r)))
+        c_seen, r_seen = set(map(type, c_vals)), set(map(type, r_vals))
+        if any(issubclass(tp, Mapping) for tp in c_seen | r_seen):
+            return False
+        # the merged state in reference order: copies of the checkpoint's entries, and the
+        # other parameters one by one (few: backfilled ones, unusual entry types)
+        mismatches = self.outcome.mismatches
+        mark = len(mismatches)
+        spans: list[tuple[int, int, int]] = []  # (r position, first, end) of their mismatches
+        copies = iter(list(map(dict.copy, fast_c)))
+        pids = iter(r_state)
+        done = 0
+        for slow in compress(count(), map(not_, fast)):
+            state.update(zip(islice(pids, slow - done), copies))  # noqa: B905
+            pid = next(pids)
+            first = len(mismatches)
+            self._state(c_state, {pid: r_state[pid]}, state, prefix)
+            if len(mismatches) > first:
+                spans.append((slow, first, len(mismatches)))
+            done = slow + 1
+        state.update(zip(pids, copies))  # noqa: B905
+        bad = _mismatched(c_vals, r_vals, c_seen, r_seen)
+        if not bad:
+            return True
+        # name the batch's mismatches, and put all of them in walk order
+        positions = list(compress(count(), fast))
+        ends = list(accumulate(map(len, fast_c)))
+        found: list[tuple[int, int, Mismatch]] = []
+        for i in bad:
+            n = bisect_right(ends, i)
+            pid = next(islice(r_state, positions[n], None))
+            fields = state[pid]
+            name = list(fields)[i - (ends[n - 1] if n else 0)]
+            key = f"{_state_key(prefix, pid)}.{name}"
+            found.append(
+                (positions[n], i, Mismatch(key, _meta(c_vals[i], key), _meta(r_vals[i], key)))
+            )
+            self.outcome.take_reference[key] = partial(fields.__setitem__, name, r_vals[i])
+        for at, first, end in spans:
+            found.extend((at, k, mismatches[k]) for k in range(first, end))
+        found.sort(key=itemgetter(0, 1))
+        mismatches[mark:] = [m for _, _, m in found]
+        return True
 
     def _entry(
         self, c_entry: dict[Any, Any], r_entry: Mapping[Any, Any], key: str
@@ -502,8 +1125,12 @@ class _Nested:
         ]
         self._check_positional(c_groups, r_groups, c, r, where)
         try:
-            c_index = {pid: i for i, (g, _) in enumerate(c_groups) for pid in g[PARAMS]}
-            r_index = {pid: i for i, (g, _) in enumerate(r_groups) for pid in g[PARAMS]}
+            c_index: dict[Any, int] = {}
+            for i, (g, _) in enumerate(c_groups):
+                c_index.update(zip(g[PARAMS], repeat(i)))
+            r_index: dict[Any, int] = {}
+            for i, (g, _) in enumerate(r_groups):
+                r_index.update(zip(g[PARAMS], repeat(i)))
         except TypeError:  # an unhashable param id: name it
             for side, sides_groups in (("checkpoint", c_groups), ("reference", r_groups)):
                 for i, (g, _) in enumerate(sides_groups):
@@ -519,12 +1146,15 @@ class _Nested:
         empty_c_groups = iter([i for i, (g, _) in enumerate(c_groups) if not g[PARAMS]])
         for ri, (rg, r_items) in enumerate(r_groups):
             params = rg[PARAMS]
-            spelled = [key_str(pid, f"{where}[{ri}]") for pid in params]
-            ci = next((c_index[pid] for pid in params if pid in c_index), None)
+            if not set(map(type, params)) <= {int, str}:  # key_str raises, naming the first
+                [key_str(pid, f"{where}[{ri}]") for pid in params]
+            owners = list(map(c_index.get, params))  # each member's checkpoint group
+            ci = next(filter(partial(is_not, None), owners), None)
             if ci is None and not params:  # an empty group: the checkpoint's next empty one
                 ci = next(empty_c_groups, None)
             if ci is None:
-                for s in spelled:
+                for pid in params:
+                    s = key_str(pid, "")
                     missing.extend(f"{group_prefix}{s}.{name}" for name, _ in r_items)
                 out.append(_copy_group(rg))
                 continue
@@ -535,12 +1165,14 @@ class _Nested:
                 group.setdefault(name, value)
             members = list(params)
             if self.keep:
-                members.extend(pid for pid in cg[PARAMS] if pid not in r_index)
+                members.extend(filterfalse(r_index.__contains__, cg[PARAMS]))
             group[PARAMS] = members
             out.append(group)
             lacking = [name for name, _ in r_items if name not in c_names[ci]]
-            for pid, s in zip(params, spelled, strict=True):
-                own = c_index.get(pid)
+            if not lacking and owners.count(ci) == len(owners):
+                continue  # every member has the group's hyperparameters in the checkpoint
+            for pid, own in zip(params, owners, strict=True):
+                s = key_str(pid, "")
                 if own == ci:
                     names = lacking
                 else:
@@ -557,7 +1189,7 @@ class _Nested:
             if self.keep:
                 out.extend(_copy_group(g) for i, (g, _) in enumerate(c_groups) if i not in matched)
         for ci, (cg, _) in enumerate(c_groups):
-            for ri in {r_index.get(pid, -1) for pid in cg[PARAMS]}:
+            for ri in set(map(r_index.get, cg[PARAMS], repeat(-1))):
                 if ri < 0 or not c_names[ci] <= r_names[ri]:
                     self.any_unexpected = True
         return out
@@ -571,10 +1203,11 @@ class _Nested:
         where: str,
     ) -> None:
         """Int-keyed optimizers map params by position: group sizes must agree, as torch demands."""
-        ids = [pid for g, _ in c_groups + r_groups for pid in g[PARAMS]]
-        ids.extend(c[STATE])
-        ids.extend(r[STATE])
-        if not ids or not all(type(pid) is int for pid in ids):
+        kinds = set(map(type, c[STATE]))
+        kinds.update(map(type, r[STATE]))
+        for g, _ in c_groups + r_groups:
+            kinds.update(map(type, g[PARAMS]))
+        if kinds != {int}:
             return
         if len(c_groups) != len(r_groups):
             self.outcome.problems.append(
@@ -632,13 +1265,21 @@ class _Nested:
                 )
 
 
+def _state_key(prefix: str, pid: Any) -> str:
+    return prefix + STATE_PREFIX + key_str(pid, prefix + STATE)
+
+
+def _id_types_ok(state: Mapping[Any, Any]) -> bool:
+    """Whether every param id is a str or an int (else the walk raises, in order)."""
+    return set(map(type, state)) <= {int, str}
+
+
 def _id_kind(osd: Mapping[Any, Any]) -> type | None:
     """``int`` or ``str`` when every param id of an optimizer state dict has that type."""
-    ids = list(osd[STATE])
+    kinds = set(map(type, osd[STATE]))
     for group in osd[PARAM_GROUPS]:
         if isinstance(group, Mapping) and isinstance(group.get(PARAMS), (list, tuple)):
-            ids.extend(group[PARAMS][:1])
-    kinds = {type(pid) for pid in ids}
+            kinds.update(map(type, group[PARAMS][:1]))
     return kinds.pop() if len(kinds) == 1 else None
 
 

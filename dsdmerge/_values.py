@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -132,9 +132,40 @@ def tensor_types(values: Any) -> frozenset[type]:
     ``torch.Tensor`` and its subclasses (``Parameter``, ``DTensor``, meta
     tensors), :class:`~dsdmerge.TensorMeta`, NumPy arrays.
     """
-    return frozenset(
-        tp for tp in set(map(type, values)) if hasattr(tp, "shape") and hasattr(tp, "dtype")
-    )
+    return tensor_like(set(map(type, values)))
+
+
+def tensor_like(types: Iterable[type]) -> frozenset[type]:
+    """The tensor-like ones among ``types`` (see :func:`tensor_types`)."""
+    return frozenset(tp for tp in types if _is_tensor_like(tp))
+
+
+def _is_tensor_like(tp: type) -> bool:
+    return hasattr(tp, "shape") and hasattr(tp, "dtype")
+
+
+# The value types of almost every flat state dict, each mapped to 1 if tensor-like, else 0.
+# A constant, never modified: values of any other type send :func:`leaf_codes` to the general
+# path, so it decides nothing a full type scan would not.
+_KNOWN_LEAVES: dict[type, int] = {
+    tp: int(_is_tensor_like(tp))
+    for tp in (torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list)
+}
+KNOWN_LEAF_TYPES = frozenset(_KNOWN_LEAVES)
+
+
+def leaf_codes(values: Iterable[Any]) -> bytes | None:
+    """Per value, 1 for a torch tensor and 0 for another common leaf, in one C-level pass.
+
+    ``None`` when some value has another type (a mapping, a NumPy array, a tensor
+    subclass such as DTensor, ...): the caller then scans the types in full. When
+    not ``None``, every value is a leaf (no mapping) and every tensor-like value
+    is a ``torch.Tensor`` or ``Parameter``.
+    """
+    try:
+        return bytes(map(_KNOWN_LEAVES.__getitem__, map(type, values)))
+    except KeyError:  # a type not in the table
+        return None
 
 
 def shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:

@@ -13,7 +13,10 @@ memory, not by Python's recursion limit, and both refuse cycles.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from functools import partial
+from itertools import chain, cycle, filterfalse, islice, repeat
+from operator import add, is_
 from typing import Any
 
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
@@ -28,7 +31,9 @@ from dsdmerge.layout import (
     check_not_mixed,
     classify,
     is_optimizer_state_dict,
+    layout_of,
     require_mapping,
+    value_types,
 )
 
 __all__ = ["flatten", "unflatten"]
@@ -49,6 +54,11 @@ class _Unique(dict[str, Any]):
                 "silently overwrite one of them; rename the keys or keep this state dict nested."
             )
         super().__setitem__(key, value)
+
+    def update(self, pairs: Iterable[tuple[str, Any]], /) -> None:  # type: ignore[override]
+        """Item by item, so that :meth:`__setitem__` sees every key (dict.update would not)."""
+        for key, value in pairs:
+            self[key] = value
 
 
 def flatten(sd: Mapping[Any, Any], /) -> dict[str, Any]:
@@ -140,9 +150,72 @@ def _flatten_optimizer(
 ) -> int:
     """Flatten one optimizer state dict the way torch's ``_flatten_optim_state_dict`` does."""
     check_not_mixed(osd, prefix[:-1])
+    written = _flat_state(out, osd[STATE], prefix)
+    if written < 0:
+        written = _state_one_by_one(out, osd[STATE], prefix, on_path)
+    group_prefix = prefix + PG_PREFIX
+    for index, group in enumerate(osd[PARAM_GROUPS]):
+        where = f"{prefix}{PARAM_GROUPS}[{index}]"
+        hyper = _group_items(group, where)
+        params = group[PARAMS]
+        if not hyper or not params:
+            continue
+        # (an f-string spells int and str ids as key_str does; key_str for the others, or raise)
+        spelled = params
+        if not set(map(type, params)) <= {int, str}:
+            spelled = [key_str(pid, where) for pid in params]
+        # one key per parameter and hyperparameter, parameter by parameter, as torch
+        # (a block of keys at a time: each key is hashed into ``out`` while still in cache)
+        names, values = zip(*hyper, strict=True)
+        for start in range(0, len(spelled), _BLOCK):
+            bases = [f"{group_prefix}{s}." for s in spelled[start : start + _BLOCK]]
+            out.update(zip([base + name for base in bases for name in names], cycle(values)))
+        written += len(params) * len(hyper)
+    return written
+
+
+_BLOCK = 1024  # parameters whose keys are made and inserted at a time
+
+
+def _flat_state(out: dict[str, Any], state: Mapping[Any, Any], prefix: str) -> int:
+    """Write the ``state.*`` keys in C-level passes; -1 (having written nothing) if unusual.
+
+    Usual: param ids are str or int, every entry is a dict with str state names, and
+    no state value is a mapping. Anything else goes :func:`_state_one_by_one`.
+    """
+    entries = list(state.values())
+    if not entries:
+        return 0
+    if (
+        not set(map(type, state)) <= {int, str}
+        or set(map(type, entries)) != {dict}
+        or set(map(type, chain.from_iterable(entries))) != {str}
+        or any(
+            issubclass(tp, Mapping)
+            for tp in set(map(type, chain.from_iterable(map(dict.values, entries))))
+        )
+    ):
+        return -1
+    state_prefix = prefix + STATE_PREFIX
+    pids = list(state)
+    for start in range(0, len(pids), _BLOCK):
+        block = entries[start : start + _BLOCK]
+        keys = [
+            f"{state_prefix}{pid}.{name}"
+            for pid, entry in zip(pids[start : start + _BLOCK], block, strict=True)
+            for name in entry
+        ]
+        out.update(zip(keys, chain.from_iterable(map(dict.values, block))))  # noqa: B905
+    return sum(map(len, entries))
+
+
+def _state_one_by_one(
+    out: dict[str, Any], state: Mapping[Any, Any], prefix: str, on_path: set[int]
+) -> int:
+    """The ``state.*`` keys of one optimizer, any entry shape (nested state, odd types)."""
     written = 0
     state_prefix = prefix + STATE_PREFIX
-    for pid, entry in osd[STATE].items():
+    for pid, entry in state.items():
         pkey = state_prefix + key_str(pid, prefix + STATE) + "."
         if not isinstance(entry, Mapping):
             raise LayoutError(
@@ -160,14 +233,6 @@ def _flatten_optimizer(
             else:
                 out[key] = v
                 written += 1
-    group_prefix = prefix + PG_PREFIX
-    for index, group in enumerate(osd[PARAM_GROUPS]):
-        hyper = _group_items(group, f"{prefix}{PARAM_GROUPS}[{index}]")
-        for pid in group[PARAMS]:
-            base = group_prefix + key_str(pid, f"{prefix}{PARAM_GROUPS}[{index}]") + "."
-            for name, v in hyper:
-                out[base + name] = v
-        written += len(group[PARAMS]) * len(hyper)
     return written
 
 
@@ -251,22 +316,31 @@ def unflatten(
     return _Unflattener(flat).run(like)
 
 
-def require_flat(flat: object, what: str) -> Mapping[str, Any]:
-    """Raise unless ``flat`` is a flat mapping with str keys."""
+def require_flat(
+    flat: object, what: str, types: set[type] | frozenset[type] | None = None
+) -> Mapping[str, Any]:
+    """Raise unless ``flat`` is a flat mapping with str keys (``types``: its value types)."""
     mapping = require_mapping(flat, what)
-    if classify(mapping) is not Layout.FLAT:
+    if types is None:
+        types = value_types(mapping)
+    if layout_of(mapping, types) is not Layout.FLAT:
         nested = next(k for k, v in mapping.items() if isinstance(v, Mapping))
         raise LayoutError(
             f"{what} must be a flat state dict, but {short_repr(nested)} holds a mapping; "
             "flatten it first with dsdmerge.flatten()."
         )
-    if set(map(type, mapping)) - {str}:
+    require_str_keys(mapping, what, set(map(type, mapping)))
+    return mapping
+
+
+def require_str_keys(mapping: Mapping[Any, Any], what: str, key_types: set[type]) -> None:
+    """Raise unless ``key_types`` (the types of the keys of ``mapping``) is just ``str``."""
+    if key_types - {str}:
         bad = next(k for k in mapping if type(k) is not str)
         raise StateDictTypeError(
             f"{what}: flat state dict keys must be str, got {short_repr(bad)} "
             f"({type(bad).__name__})"
         )
-    return mapping
 
 
 def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
@@ -424,17 +498,18 @@ class _Unflattener:
         pids: dict[str, Any] = {}
         state: dict[Any, Any] = {}
         state_prefix = prefix + STATE_PREFIX
-        for pid, entry in like[STATE].items():
-            spelled = key_str(pid, prefix + STATE)
-            pids[spelled] = pid
-            if not isinstance(entry, Mapping):
-                raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
-            if not entry:
-                state[pid] = {}
-                continue
-            fields = self._tree(entry, state_prefix + spelled + ".", on_path, in_state=True)
-            if fields:
-                state[pid] = fields
+        if not self._fast_state(like[STATE], state_prefix, pids, state):
+            for pid, entry in like[STATE].items():
+                spelled = key_str(pid, prefix + STATE)
+                pids[spelled] = pid
+                if not isinstance(entry, Mapping):
+                    raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
+                if not entry:
+                    state[pid] = {}
+                    continue
+                fields = self._tree(entry, state_prefix + spelled + ".", on_path, in_state=True)
+                if fields:
+                    state[pid] = fields
         groups: list[dict[str, Any]] = []
         member_of: dict[Any, dict[str, Any]] = {}
         group_prefix = prefix + PG_PREFIX
@@ -442,7 +517,11 @@ class _Unflattener:
             where = f"{prefix}{PARAM_GROUPS}[{index}]"
             _group_items(like_group, where)
             params = like_group[PARAMS]
-            spelled_params = [key_str(pid, where) for pid in params]
+            if set(map(type, params)) <= {int, str}:  # an f-string spells them as key_str
+                spelled_params = list(map(str, params))
+            else:
+                spelled_params = [key_str(pid, where) for pid in params]
+            bases = [f"{group_prefix}{spelled}." for spelled in spelled_params]
             group: dict[str, Any] = {}
             for name, like_value in like_group.items():
                 if name == PARAMS:
@@ -451,29 +530,72 @@ class _Unflattener:
                 if not params:  # torch's format has no key for an empty group: keep like's
                     group[name] = like_value
                     continue
-                value = MISSING
-                for spelled in spelled_params:
-                    v = flat.get(f"{group_prefix}{spelled}.{name}", MISSING)
-                    if v is MISSING:
-                        continue
-                    self.hits += 1
-                    if value is MISSING:
-                        value = v
-                    elif not same_value(v, value):
-                        raise LayoutError(
-                            f"cannot unflatten: members of {where} disagree on {name!r} "
-                            f"({group_prefix}{spelled}.{name} is {short_repr(v)}, an earlier "
-                            f"member has {short_repr(value)}); a nested param group holds one "
-                            "value per hyperparameter."
-                        )
-                if value is not MISSING:
-                    group[name] = value
+                # every member's value, looked up in one C-level pass; one object for all
+                # members (the usual case) needs no comparison
+                values = list(map(flat.get, map(add, bases, repeat(name)), repeat(MISSING)))
+                found = list(filterfalse(partial(is_, MISSING), values))
+                self.hits += len(found)
+                if not found:
+                    continue
+                value = found[0]
+                if not all(map(is_, found, repeat(value))):
+                    for spelled, v in zip(spelled_params, values, strict=True):
+                        if v is not MISSING and not same_value(v, value):
+                            raise LayoutError(
+                                f"cannot unflatten: members of {where} disagree on {name!r} "
+                                f"({group_prefix}{spelled}.{name} is {short_repr(v)}, an earlier "
+                                f"member has {short_repr(value)}); a nested param group holds one "
+                                "value per hyperparameter."
+                            )
+                group[name] = value
             groups.append(group)
             for pid, spelled in zip(params, spelled_params, strict=True):
                 pids[spelled] = pid
                 member_of[pid] = group
         self.optimizers[prefix] = (pids, state, member_of)
         return {STATE: state, PARAM_GROUPS: groups}
+
+    def _fast_state(
+        self,
+        like_state: Mapping[Any, Any],
+        state_prefix: str,
+        pids: dict[str, Any],
+        state: dict[Any, Any],
+    ) -> bool:
+        """Rebuild the per-parameter state in C-level passes; ``False`` if unusual.
+
+        Usual: int or str param ids, plain-dict entries with str state names and no
+        nested state. The values of all ``state.*`` keys are looked up in one pass.
+        """
+        entries = list(like_state.values())
+        if not (
+            set(map(type, like_state)) <= {int, str}
+            and set(map(type, entries)) <= {dict}
+            and set(map(type, chain.from_iterable(entries))) <= {str}
+            and not any(
+                issubclass(tp, Mapping)
+                for tp in set(map(type, chain.from_iterable(map(dict.values, entries))))
+            )
+        ):
+            return False
+        spelled = list(map(str, like_state))
+        keys = [
+            f"{state_prefix}{s}.{name}" for s, e in zip(spelled, entries, strict=True) for name in e
+        ]
+        values = list(map(self.flat.get, keys, repeat(MISSING)))
+        lost = sum(map(is_, values, repeat(MISSING)))
+        self.hits += len(values) - lost
+        taken = iter(values)
+        rebuilt = map(dict, map(zip, entries, map(islice, repeat(taken), map(len, entries))))
+        if not lost:
+            state.update(zip(like_state, rebuilt, strict=True))
+        else:  # a parameter keeps the state names the flat dict has, and none if it has none
+            for pid, entry, fields in zip(like_state, entries, rebuilt, strict=True):
+                kept = {k: v for k, v in fields.items() if v is not MISSING}
+                if kept or not entry:
+                    state[pid] = kept
+        pids.update(zip(spelled, like_state, strict=True))
+        return True
 
     def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
         placed = set(flatten(like))

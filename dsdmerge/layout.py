@@ -112,10 +112,18 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
         <Layout.NESTED: 'nested'>
     """
     require_mapping(sd, "the state dict")
-    if not sd:
-        return Layout.FLAT
     # One C-level pass over the value types; the per-type checks run once per distinct type.
-    if not any(issubclass(tp, Mapping) for tp in set(map(type, sd.values()))):
+    return layout_of(sd, value_types(sd))
+
+
+def value_types(sd: Mapping[Any, Any]) -> set[type]:
+    """The distinct types of the values of ``sd`` (one C-level pass)."""
+    return set(map(type, sd.values()))
+
+
+def layout_of(sd: Mapping[Any, Any], types: set[type] | frozenset[type]) -> Layout:
+    """:func:`classify` given ``types``, the :func:`value_types` of ``sd``."""
+    if not sd or not any(issubclass(tp, Mapping) for tp in types):
         return Layout.FLAT
     check_not_mixed(sd, "")
     return Layout.NESTED

@@ -1,0 +1,285 @@
+"""The fast paths of the engine against a plain, obviously correct model of diff and merge.
+
+The engine finds key differences from the union ``{**reference, **checkpoint}`` and value
+identity, compares tensors in C-level passes, and takes shortcuts for common value types;
+these tests feed it what breaks shortcuts: shared objects on both sides, reordered keys,
+singleton values, tensor-likes of other types, tensors where the other side has a scalar.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import Snapshot
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dsdmerge as dm
+
+MERGING = dm.DEFAULT.replace(shape="ignore")
+
+SHARED = [torch.zeros(2), torch.zeros(3), torch.zeros(2, dtype=torch.float16), True, None, 0.5]
+
+
+def _tensor_like(value: object) -> bool:
+    tp = type(value)
+    return hasattr(tp, "shape") and hasattr(tp, "dtype")
+
+
+def _differs(c: object, r: object) -> bool:
+    try:
+        return bool(c.shape != r.shape or c.dtype != r.dtype)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def model(c: dict, r: dict) -> tuple[list[str], list[str], list[str]]:
+    """missing (reference order), unexpected (checkpoint order), mismatched (reference order)."""
+    missing = [k for k in r if k not in c]
+    unexpected = [k for k in c if k not in r]
+    mismatched = [
+        k
+        for k, rv in r.items()
+        if k in c
+        and c[k] is not rv
+        and _tensor_like(c[k])
+        and _tensor_like(rv)
+        and _differs(c[k], rv)
+    ]
+    return missing, unexpected, mismatched
+
+
+values = st.one_of(
+    st.sampled_from(SHARED),  # the same object may land on both sides
+    st.builds(torch.zeros, st.sampled_from([(), (2,), (3,), (2, 2)])),
+    st.builds(
+        lambda n: torch.zeros(n, dtype=torch.bfloat16), st.integers(min_value=1, max_value=3)
+    ),
+    st.builds(lambda n: dm.TensorMeta((n,), torch.float32), st.integers(min_value=1, max_value=3)),
+    st.builds(lambda n: np.zeros(n, dtype=np.float32), st.integers(min_value=1, max_value=3)),
+    st.builds(lambda n: torch.nn.Parameter(torch.zeros(n)), st.integers(min_value=1, max_value=3)),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.tuples(st.floats(allow_nan=False)),
+)
+keys = st.sampled_from(
+    [f"state.p{i}.{n}" for i in range(6) for n in ("step", "exp_avg")]
+    + [f"param_groups.p{i}.{n}" for i in range(6) for n in ("lr", "amsgrad")]
+)
+
+
+@st.composite
+def flat_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
+    r = draw(st.dictionaries(keys, values, max_size=24))
+    c: dict = {}
+    for k in draw(st.permutations(list(r))) if draw(st.booleans()) else list(r):
+        choice = draw(st.sampled_from(["new-value", "drop", "share"]))
+        if choice == "new-value":
+            c[k] = draw(values)
+        elif choice == "share":
+            c[k] = r[k]
+    for k in draw(st.lists(keys, max_size=4)):
+        c.setdefault(k, draw(values))
+    return c, r
+
+
+@given(flat_pairs())
+def test_diff_matches_the_model(pair):
+    c, r = pair
+    missing, unexpected, mismatched = model(c, r)
+    d = dm.diff(c, r)
+    assert list(d.missing) == missing
+    assert list(d.unexpected) == unexpected
+    assert list(d.mismatched_keys) == mismatched
+
+
+@given(flat_pairs(), st.booleans())
+def test_merge_matches_the_model(pair, drop):
+    c, r = pair
+    snaps = Snapshot(c), Snapshot(r)
+    policy = MERGING.replace(drop_unexpected=drop, missing="ignore", unexpected="ignore")
+    out, d, _ = dm.merge_with_diff(c, r, policy=policy)
+    missing, unexpected, mismatched = model(c, r)
+    assert (list(d.missing), list(d.unexpected), list(d.mismatched_keys)) == (
+        missing,
+        unexpected,
+        mismatched,
+    )
+    expected = {**r, **c}
+    for k in unexpected if drop else ():
+        del expected[k]
+    for k in mismatched:
+        if d.mismatched[mismatched.index(k)].shape_differs:
+            expected[k] = r[k]
+    assert list(out) == list(expected)
+    assert all(out[k] is v for k, v in expected.items() if not k.startswith("param_groups."))
+    assert all(s.unchanged() for s in snaps)
+
+
+def test_missing_hyperparameters_with_shared_singleton_values_are_found():
+    # every value is a shared singleton, so identity says nothing: the lookups decide
+    r = {"state.a.step": torch.zeros(()), "param_groups.a.amsgrad": False, "param_groups.b.x": None}
+    c = {"state.a.step": torch.zeros(()), "param_groups.a.amsgrad": False}
+    assert dm.diff(c, r).missing == ("param_groups.b.x",)
+    assert dm.merge(c, r)["param_groups.b.x"] is None
+
+
+def test_the_same_tensor_on_both_sides_is_not_missing():
+    t = torch.zeros(2)
+    r = {"a": t, "b": torch.zeros(3)}
+    d = dm.diff({"a": t}, r)
+    assert d.missing == ("b",)
+    assert dm.diff(r, r) == dm.KeyDiff()
+
+
+def test_a_scalar_where_the_reference_has_a_tensor_is_not_a_mismatch():
+    d = dm.diff({"state.w.step": 3.0}, {"state.w.step": torch.zeros(())})
+    assert d == dm.KeyDiff()
+
+
+# -- the key walk of flat pairs ------------------------------------------------------
+
+
+def test_many_scattered_differences_give_up_the_walk_and_still_agree_with_the_model():
+    r = {f"state.p{i}.exp_avg": torch.zeros(1) for i in range(3000)}
+    c = {k: torch.zeros(1) for i, k in enumerate(r) if i % 2}  # every other key missing
+    c["unexpected.one"] = torch.zeros(2)
+    missing, unexpected, mismatched = model(c, r)
+    d = dm.diff(c, r)
+    assert (list(d.missing), list(d.unexpected), list(d.mismatched_keys)) == (
+        missing,
+        unexpected,
+        mismatched,
+    )
+    assert list(dm.merge(c, r)) == list({**r, **c})
+
+
+def test_a_merge_larger_than_its_blocks_keeps_every_object_in_place():
+    r = {f"k{i}": (torch.zeros(1) if i % 3 else False) for i in range(40_000)}
+    c = {k: (torch.zeros(1) if i % 3 else False) for i, k in enumerate(r) if i % 1000 != 7}
+    c["new"] = 1.5
+    out = dm.merge(c, r)
+    assert list(out) == list({**r, **c})
+    assert all(out[k] is (c[k] if k in c else r[k]) for k in out)
+
+
+def test_keys_in_another_order_agree_with_the_model():
+    r = {f"k{i}": torch.zeros(i % 3 + 1) for i in range(5000)}
+    c = {k: torch.zeros(3) for k in reversed(list(r)) if k != "k17"}
+    missing, _, mismatched = model(c, r)
+    d = dm.diff(c, r)
+    assert (list(d.missing), list(d.mismatched_keys)) == (missing, mismatched)
+    assert not d.unexpected
+    out = dm.merge(c, r, policy=MERGING)
+    assert list(out) == list(r)
+
+
+@pytest.mark.parametrize("side", ["checkpoint", "reference"])
+def test_str_subclass_keys_are_still_refused_on_either_side(side):
+    class Key(str):
+        pass
+
+    plain = {"a": torch.zeros(1), "b": torch.zeros(1)}
+    odd = {Key("a"): torch.zeros(1), "b": torch.zeros(1)}  # equal to plain's keys
+    c, r = (odd, plain) if side == "checkpoint" else (plain, odd)
+    with pytest.raises(dm.StateDictTypeError, match=side):
+        dm.diff(c, r)
+    with pytest.raises(dm.StateDictTypeError, match=side):
+        dm.merge(c, r)
+
+
+# -- nested optimizers: the batched per-parameter pass --------------------------------
+
+
+def _osd(entries: dict, lr: float = 0.1) -> dict:
+    return {"state": entries, "param_groups": [{"lr": lr, "params": list(entries)}]}
+
+
+def test_nested_reports_follow_the_walk_order_across_batched_and_one_by_one_parameters():
+    def entry(*shape):
+        return {"step": torch.zeros(()), "exp_avg": torch.zeros(shape)}
+
+    r = _osd({f"p{i}": entry(2) for i in range(6)})
+    c = _osd(
+        {
+            "p0": entry(3),  # batched, mismatched
+            "p1": {**entry(3), "extra": torch.zeros(1)},  # other names: one by one, mismatched
+            "p3": entry(2),  # p2 missing: backfilled between batched ones
+            "p4": entry(5),  # batched, mismatched
+            "p5": {"exp_avg": torch.zeros(2), "step": torch.zeros(())},  # other order
+        }
+    )
+    d = dm.diff(c, r)
+    assert d.mismatched_keys == ("state.p0.exp_avg", "state.p1.exp_avg", "state.p4.exp_avg")
+    assert d.missing[:2] == ("state.p2.step", "state.p2.exp_avg")
+    assert d.unexpected == ("state.p1.extra",)
+    assert d == dm.diff(dm.flatten(c), dm.flatten(r))
+    out = dm.merge(c, r, policy=MERGING)
+    assert list(out["state"]) == list(r["state"])
+    assert out["state"]["p0"]["exp_avg"] is r["state"]["p0"]["exp_avg"]  # shape: reference's
+    assert out["state"]["p3"]["exp_avg"] is c["state"]["p3"]["exp_avg"]
+    assert list(out["state"]["p5"]) == ["exp_avg", "step"]  # the checkpoint's order
+
+
+def test_nested_state_values_take_the_general_walk():
+    r = _osd({"w": {"step": 1, "shampoo": {"factor": torch.zeros(2)}}})
+    c = _osd({"w": {"step": 2, "shampoo": {"factor": torch.zeros(3)}}})
+    d = dm.diff(c, r)
+    assert d.mismatched_keys == ("state.w.shampoo.factor",)
+    assert d == dm.diff(dm.flatten(c), dm.flatten(r))
+    out = dm.merge(c, r, policy=MERGING)
+    assert out["state"]["w"]["shampoo"]["factor"] is r["state"]["w"]["shampoo"]["factor"]
+    assert out["state"]["w"]["step"] == 2
+
+
+def test_nested_merge_shares_leaves_and_makes_new_entries():
+    r = _osd({i: {"step": torch.zeros(())} for i in range(4)})
+    c = _osd({i: {"step": torch.zeros(())} for i in range(4)})
+    out = dm.merge(c, r)
+    for i in range(4):
+        assert out["state"][i] is not c["state"][i]
+        assert out["state"][i]["step"] is c["state"][i]["step"]
+
+
+# -- flatten: the C-level pass and its fallbacks --------------------------------------
+
+
+def test_flatten_spells_int_subclass_ids_like_ints_and_refuses_bools():
+    import enum
+
+    class Pid(enum.IntEnum):
+        W = 3
+
+    osd = {"state": {Pid.W: {"step": 1}}, "param_groups": [{"lr": 0.1, "params": [Pid.W]}]}
+    assert dm.flatten(osd) == {"state.3.step": 1, "param_groups.3.lr": 0.1}
+    with pytest.raises(dm.StateDictTypeError):
+        dm.flatten({"state": {True: {"step": 1}}, "param_groups": []})
+    with pytest.raises(dm.StateDictTypeError):
+        dm.flatten({"state": {}, "param_groups": [{"lr": 0.1, "params": [True]}]})
+
+
+def test_flatten_finds_collisions_between_int_and_str_ids():
+    osd = {"state": {1: {"step": 1}, "1": {"step": 2}}, "param_groups": []}
+    with pytest.raises(dm.LayoutError, match=r"same key 'state\.1\.step'"):
+        dm.flatten(osd)
+
+
+def test_flatten_of_many_parameters_keeps_torchs_order():
+    from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+
+    fqns = [f"m.{i}.w" for i in range(2500)]
+    osd = {
+        "state": {f: {"step": torch.zeros(()), "exp_avg": torch.zeros(1)} for f in fqns[::2]},
+        "param_groups": [
+            {"lr": 0.1, "betas": (0.9, 0.99), "params": fqns[:1000]},
+            {"lr": 0.2, "betas": (0.9, 0.99), "params": fqns[1000:]},
+        ],
+    }
+    ours = dm.flatten(osd)
+    theirs = _flatten_optim_state_dict(
+        {"state": osd["state"], "param_groups": [dict(g) for g in osd["param_groups"]]}
+    )
+    assert list(ours) == list(theirs)
+    assert all(ours[k] is theirs[k] for k in theirs)
