@@ -84,8 +84,13 @@ def run(
     merge: bool,
     keep_unexpected: bool = True,
     conflicts: bool = False,
+    key_prefix: str = "",
 ) -> Outcome:
-    """Compare (and merge) ``checkpoint`` over ``reference``; see the module docstring."""
+    """Compare (and merge) ``checkpoint`` over ``reference``; see the module docstring.
+
+    ``key_prefix`` is only for naming keys in errors: the path of this pair inside a
+    larger state dict.
+    """
     require_mapping(checkpoint, "checkpoint")
     require_mapping(reference, "reference")
     # One pass over each side's values serves classify, require_flat and the tensor checks:
@@ -133,6 +138,7 @@ def run(
         keep_unexpected=keep_unexpected,
         conflicts=conflicts,
         groups=groups,
+        key_prefix=key_prefix,
     )
 
 
@@ -230,6 +236,7 @@ def _flat(
     keep_unexpected: bool,
     conflicts: bool,
     groups: list[list[str]] | None,
+    key_prefix: str = "",
 ) -> Outcome:
     """``picked``: 1 per tensor-like value of ``r``, whose types are among ``r_tensor_types``."""
     c_key_types: set[type] = set()
@@ -247,6 +254,7 @@ def _flat(
             keep_unexpected=keep_unexpected,
             conflicts=conflicts,
             groups=groups,
+            key_prefix=key_prefix,
         )
     require_str_keys(c, "checkpoint", c_key_types)
     require_str_keys(r, "reference", r_key_types)
@@ -273,7 +281,7 @@ def _flat(
         u_vals = list(compress(_c_values_at_r(c, r, runs, missing), picked))
     if u_vals:
         r_vals = list(compress(r.values(), picked))
-    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types, key_prefix)
     return _finish(
         c,
         r,
@@ -293,14 +301,17 @@ def _mismatches(
     u_vals: list[Any],
     r_vals: list[Any],
     r_tensor_types: frozenset[type],
+    key_prefix: str,
 ) -> list[Mismatch]:
     bad = _mismatched(u_vals, r_vals, None, r_tensor_types)
     if not bad:
         return []
     r_keys = list(compress(r, picked))
-    return [
-        Mismatch(r_keys[i], _meta(u_vals[i], r_keys[i]), _meta(r_vals[i], r_keys[i])) for i in bad
-    ]
+    out = []
+    for i in bad:
+        where = key_prefix + r_keys[i]
+        out.append(Mismatch(r_keys[i], _meta(u_vals[i], where), _meta(r_vals[i], where)))
+    return out
 
 
 def _finish(
@@ -335,7 +346,44 @@ def _finish(
             _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
         else:
             table.resolve(c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
+    if missing or conflicts:
+        _prefixed_groups(c, r, outcome, conflicts=conflicts)
     return outcome
+
+
+_NESTED_PG = "." + PG_PREFIX
+
+
+def _group_prefix(key: str) -> str:
+    """``"optim."`` for ``"optim.param_groups.w.lr"``; ``""`` when there is no such prefix."""
+    at = key.find(_NESTED_PG)
+    return key[: at + 1] if at >= 0 else ""
+
+
+def _prefixed_groups(
+    c: Mapping[str, Any], r: Mapping[str, Any], outcome: Outcome, *, conflicts: bool
+) -> None:
+    """Group-consistent hyperparameters for flattened optimizers under a prefix.
+
+    A flattened whole checkpoint spells its optimizer's keys
+    ``optim.param_groups.<fqn>.<hp>``: each such prefix gets the same treatment as
+    top-level ``param_groups.*`` keys, on the keys under it.
+    """
+    merged = outcome.merged
+    backfilled = [k for k in outcome.missing if _NESTED_PG in k] if merged is not None else []
+    prefixes = dict.fromkeys(filter(None, map(_group_prefix, backfilled)))
+    if conflicts:
+        prefixes.update(dict.fromkeys(filter(None, map(_group_prefix, c))))
+    for prefix in prefixes:
+        head, n = prefix + PG_PREFIX, len(prefix)
+        sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
+        sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
+        mine = [k[n:] for k in backfilled if k.startswith(head)]
+        sub = Outcome({} if merged is not None else None, [], [], [])
+        _group_hyperparameters(sub_c, sub_r, None, mine, sub, conflicts=conflicts)
+        if merged is not None and sub.merged:
+            merged.update((prefix + k, v) for k, v in sub.merged.items())
+        outcome.conflicts.extend(f"{prefix[:-1]!r}: {line}" for line in sub.conflicts)
 
 
 _CHUNK = 1024  # keys taken from each side at a time in _align
@@ -468,6 +516,7 @@ def _flat_by_union(
     keep_unexpected: bool,
     conflicts: bool,
     groups: list[list[str]] | None,
+    key_prefix: str = "",
 ) -> Outcome:
     """:func:`_flat` for keys in different orders: every key is hashed once, in ``{**r, **c}``."""
     # The union has the reference's keys in order, with the checkpoint's value wherever the
@@ -483,7 +532,7 @@ def _flat_by_union(
     if 1 in picked:
         r_vals = list(compress(r.values(), picked))
         u_vals = list(compress(union.values(), picked))
-    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types)
+    mismatches = _mismatches(r, picked, u_vals, r_vals, r_tensor_types, key_prefix)
     # missing keys keep the reference's own value in the union: among the tensors, those are
     # the only candidates (besides a tensor the checkpoint shares with the reference)
     kept = list(compress(count(), map(is_, u_vals, r_vals))) if n_missing else []
@@ -857,6 +906,8 @@ class _Nested:
         self.outcome = Outcome({}, [], [], [])
         self.any_unexpected = False
         self.types: dict[type, bool] = {}
+        # id of a checkpoint sub-dict merged by the flat pass -> its unexpected keys
+        self.flat_unexpected: dict[int, list[str]] = {}
 
     def run(self, c: Mapping[Any, Any], r: Mapping[Any, Any]) -> Outcome:
         if is_optimizer_state_dict(c) != is_optimizer_state_dict(r):
@@ -926,6 +977,9 @@ class _Nested:
                         raise _optimizer_vs_tree(key)
                     dest[k] = self._optimizer(cv, rv, key + ".")
                     continue
+                if not in_state and _flat_pair(cv, rv):
+                    dest[k] = self._flat(cv, rv, key)
+                    continue
                 child: dict[Any, Any] = {}
                 dest[k] = child
                 on_path.update((id(cv), id(rv)))
@@ -938,6 +992,34 @@ class _Nested:
                 if len(cn) > len(rn) or any(k not in rn for k in cn):
                     self.any_unexpected = True
         return out
+
+    def _flat(self, c: Mapping[str, Any], r: Mapping[str, Any], key: str) -> dict[str, Any]:
+        """A pair of flat sub-dicts (a model, a flattened optimizer): the flat pass, re-keyed.
+
+        So a flattened optimizer inside a whole checkpoint gets group-consistent
+        hyperparameter backfill, exactly as it would on its own.
+        """
+        prefix = key + "."
+        sub = run(
+            c,
+            r,
+            merge=True,
+            keep_unexpected=self.keep,
+            conflicts=self.want_conflicts,
+            key_prefix=prefix,
+        )
+        outcome = self.outcome
+        outcome.missing.extend(prefix + k for k in sub.missing)
+        for m in sub.mismatches:
+            outcome.mismatches.append(Mismatch(prefix + m.key, m.checkpoint, m.reference))
+            outcome.take_reference[prefix + m.key] = sub.take_reference[m.key]
+        outcome.conflicts.extend(f"{key!r}: {line}" for line in sub.conflicts)
+        outcome.problems.extend(f"{key!r}: {line}" for line in sub.problems)
+        self.flat_unexpected[id(c)] = [prefix + k for k in sub.unexpected]
+        if sub.unexpected:
+            self.any_unexpected = True
+        assert sub.merged is not None
+        return sub.merged
 
     def _tree_unexpected(
         self,
@@ -966,6 +1048,10 @@ class _Nested:
                     continue
                 if not in_state and is_optimizer_state_dict(cv):
                     self._optimizer_unexpected(cv, rv, dest[k], key + ".")
+                    continue
+                flat_unexpected = None if in_state else self.flat_unexpected.get(id(cv))
+                if flat_unexpected is not None:  # merged by the flat pass, which found these
+                    self.outcome.unexpected.extend(flat_unexpected)
                     continue
                 stack.append((rv, dest[k], key + ".", iter(cv.items())))
                 break
@@ -1293,6 +1379,16 @@ def _check_id_kinds(c: Mapping[Any, Any], r: Mapping[Any, Any], prefix: str) -> 
             "from optimizer.state_dict() (int ids), the other from get_optimizer_state_dict "
             "(fqns). Produce both the same way."
         )
+
+
+def _flat_pair(c: Mapping[Any, Any], r: Mapping[Any, Any]) -> bool:
+    """Whether two sub-dicts are both flat with str keys (the flat pass handles them)."""
+    return (
+        set(map(type, c)) <= {str}
+        and set(map(type, r)) <= {str}
+        and layout_of(c, value_types(c)) is Layout.FLAT
+        and layout_of(r, value_types(r)) is Layout.FLAT
+    )
 
 
 def _optimizer_vs_tree(key: str) -> LayoutError:

@@ -204,3 +204,32 @@ def test_nested_merge_makes_new_containers_and_does_not_mutate():
     assert out["state"]["b"] is not ref["state"]["b"]
     assert out["param_groups"][0] is not ckpt["param_groups"][0]
     assert out["param_groups"][0]["params"] is not ref["param_groups"][0]["params"]
+
+
+def test_flattened_optimizer_inside_a_whole_checkpoint_keeps_the_group_lr():
+    # {"model": ..., "optim": <flattened DSD>} is how trainers torch.save a checkpoint
+    ckpt = {"optim": {"state.a.step": 5, "param_groups.a.lr": 5e-5}, "step": 3}
+    ref = {
+        "optim": {
+            "state.new.step": 1,
+            "state.a.step": 1,
+            "param_groups.new.lr": 1e-3,
+            "param_groups.a.lr": 1e-3,
+        },
+        "step": 0,
+    }
+    nested, diff, _ = dm.merge_with_diff(ckpt, ref)
+    assert nested["optim"]["param_groups.new.lr"] == 5e-5
+    assert nested["optim"]["state.a.step"] is ckpt["optim"]["state.a.step"]
+    assert diff.missing == ("optim.state.new.step", "optim.param_groups.new.lr")
+    flat = dm.merge(dm.flatten(ckpt), dm.flatten(ref))
+    assert flat == dm.flatten(nested)
+    assert flat["optim.param_groups.new.lr"] == 5e-5
+
+
+def test_conflicts_of_a_prefixed_flat_optimizer_are_reported_in_both_layouts():
+    ckpt = {"optim": {"param_groups.a.lr": 1e-4, "param_groups.b.lr": 2e-4}}
+    ref = {"optim": {"param_groups.a.lr": 1e-3, "param_groups.b.lr": 1e-3}}
+    for c, r in ((ckpt, ref), (dm.flatten(ckpt), dm.flatten(ref))):
+        with pytest.raises(dm.MergeError, match=r"'optim': param group 0 \(inferred\).*'lr'"):
+            dm.merge(c, r, policy="strict")
