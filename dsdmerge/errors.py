@@ -9,6 +9,7 @@ working::
     ├── LayoutError(DSDMergeError, ValueError)         malformed or ambiguous structure
     ├── StateDictTypeError(DSDMergeError, TypeError)   not a state dict, or a bad key type
     ├── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
+    ├── InvalidPolicyError(DSDMergeError, ValueError)  a policy name, action or allow-list
     ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
     └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
         └── UnsafeCheckpointError                      a pickle that would run code: refused
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointReadError",
     "DSDMergeError",
     "DSDMergeWarning",
+    "InvalidPolicyError",
     "LayoutError",
     "MergeError",
     "PatternError",
@@ -91,6 +93,10 @@ class MergeError(DSDMergeError, ValueError):
     ) -> None:
         super().__init__(message, diff=diff)
         self.problems = problems
+
+
+class InvalidPolicyError(DSDMergeError, ValueError):
+    """A policy name, action or allow-list that is not valid."""
 
 
 class PatternError(DSDMergeError, ValueError):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal, get_args
 
 from dsdmerge._values import short_repr
-from dsdmerge.errors import DSDMergeError
+from dsdmerge.errors import InvalidPolicyError
 
 __all__ = ["DEFAULT", "STRICT", "WARN", "Action", "InvalidPolicyError", "Policy", "resolve_policy"]
 
@@ -40,10 +40,6 @@ Action = Literal["ignore", "warn", "raise"]
 :class:`~dsdmerge.DSDMergeWarning`) or ``"raise"`` (a :class:`~dsdmerge.MergeError`)."""
 
 _ACTIONS = get_args(Action)
-
-
-class InvalidPolicyError(DSDMergeError, ValueError):
-    """A policy name, action or allow-list that is not valid."""
 
 
 def _globs(value: str | Iterable[str], name: str) -> tuple[str, ...]:
