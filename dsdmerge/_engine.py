@@ -37,6 +37,7 @@ from dsdmerge._values import (
     KNOWN_LEAF_TYPES,
     MISSING,
     freeze,
+    is_tensor_like,
     key_str,
     leaf_codes,
     same_value,
@@ -927,7 +928,7 @@ class _Nested:
     def _is_tensor(self, tp: type) -> bool:
         known = self.types.get(tp)
         if known is None:
-            known = self.types[tp] = hasattr(tp, "shape") and hasattr(tp, "dtype")
+            known = self.types[tp] = is_tensor_like(tp)
         return known
 
     def _leaf(self, dest: dict[Any, Any], k: Any, cv: Any, rv: Any, key: str) -> None:

@@ -63,17 +63,10 @@ def freeze(value: Any) -> Any:
     tensor, and containers that are cyclic, deeper than 32 levels or hold more
     than 4096 items in all, by identity.
     """
-    tp = type(value)
-    if tp is float:
-        return (float, "nan") if math.isnan(value) else (float, value)
-    if tp in (str, int, bool) or value is None:
-        return (tp, value)
-    if tp is tuple or tp is list or isinstance(value, Mapping):
-        try:
-            return _freeze(value, 0, [_FREEZE_ITEMS])
-        except _TooBig:
-            return ("id", id(value))
-    return _freeze(value, 0, [_FREEZE_ITEMS])
+    try:
+        return _freeze(value, 0, [_FREEZE_ITEMS])
+    except _TooBig:
+        return ("id", id(value))
 
 
 def _freeze(value: Any, depth: int, budget: list[int]) -> Any:
@@ -125,22 +118,18 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def tensor_types(values: Any) -> frozenset[type]:
-    """The distinct types among ``values`` that are tensor-like (have ``shape`` and ``dtype``).
-
-    A type is tensor-like when the class itself defines both attributes:
-    ``torch.Tensor`` and its subclasses (``Parameter``, ``DTensor``, meta
-    tensors), :class:`~dsdmerge.TensorMeta`, NumPy arrays.
-    """
-    return tensor_like(set(map(type, values)))
-
-
 def tensor_like(types: Iterable[type]) -> frozenset[type]:
-    """The tensor-like ones among ``types`` (see :func:`tensor_types`)."""
-    return frozenset(tp for tp in types if _is_tensor_like(tp))
+    """The tensor-like ones among ``types``.
+
+    A type is tensor-like when the class itself defines both ``shape`` and
+    ``dtype``: ``torch.Tensor`` and its subclasses (``Parameter``, ``DTensor``,
+    meta tensors), :class:`~dsdmerge.TensorMeta`, NumPy arrays.
+    """
+    return frozenset(tp for tp in types if is_tensor_like(tp))
 
 
-def _is_tensor_like(tp: type) -> bool:
+def is_tensor_like(tp: type) -> bool:
+    """Whether values of class ``tp`` are tensor-like (see :func:`tensor_like`)."""
     return hasattr(tp, "shape") and hasattr(tp, "dtype")
 
 
@@ -148,7 +137,7 @@ def _is_tensor_like(tp: type) -> bool:
 # A constant, never modified: values of any other type send :func:`leaf_codes` to the general
 # path, so it decides nothing a full type scan would not.
 _KNOWN_LEAVES: dict[type, int] = {
-    tp: int(_is_tensor_like(tp))
+    tp: int(is_tensor_like(tp))
     for tp in (torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list)
 }
 KNOWN_LEAF_TYPES = frozenset(_KNOWN_LEAVES)
