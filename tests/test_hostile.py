@@ -63,17 +63,28 @@ def escapes(a: Any, b: Any) -> list[str]:
 
 
 def _group_filled(key: str, flat_a: Any, flat_b: Any) -> bool:
-    """Whether ``key`` is a hyperparameter a kept unexpected parameter takes from its nested
-    param group (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a
-    parameter of the checkpoint's optimizer that the reference's does not have. Hostile
-    hyperparameter names may hold dots, so every split of the key is tried."""
+    """Whether ``key`` is a hyperparameter a parameter takes from its nested param group
+    (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a parameter
+    of the checkpoint's optimizer that the reference's does not have (kept unexpected), or
+    a new parameter of the reference's that joined a checkpoint group holding ``name``,
+    which the reference's group lacks. Hostile hyperparameter names may hold dots, so
+    every split of the key is tried."""
     at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
     if at == 0 and not key.startswith("param_groups."):
         return False
+    groups = key[:at] + "param_groups."
     start = at + len("param_groups.")
     for dot in (i for i, ch in enumerate(key) if ch == "." and i >= start):
-        stem = key[: dot + 1]
-        if any(k.startswith(stem) for k in flat_a) and not any(k.startswith(stem) for k in flat_b):
+        stem, name = key[: dot + 1], key[dot + 1 :]
+        in_a = any(k.startswith(stem) for k in flat_a)
+        in_b = any(k.startswith(stem) for k in flat_b)
+        if in_a and not in_b:
+            return True
+        if (
+            in_b
+            and not in_a
+            and any(k.startswith(groups) and k.endswith("." + name) for k in flat_a)
+        ):
             return True
     return False
 
