@@ -62,19 +62,24 @@ def escapes(a: Any, b: Any) -> list[str]:
     return problems
 
 
-def _group_filled(key: str, flat_a: Any, flat_b: Any) -> bool:
-    """Whether ``key`` is a hyperparameter a kept unexpected parameter takes from its nested
-    param group (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a
-    parameter of the checkpoint's optimizer that the reference's does not have. Hostile
-    hyperparameter names may hold dots, so every split of the key is tried."""
+def _group_filled(key: str, value: Any, flat_a: Any, flat_b: Any) -> bool:
+    """Whether ``key`` holds a group hyperparameter that a member of a nested param group
+    takes from its group (one value per group), rather than a value merge made up.
+
+    That is ``<prefix>param_groups.<pid>.<name>`` whose value is, by identity, one the
+    inputs hold for ``name`` under another parameter of the same optimizer. Hostile
+    hyperparameter names may hold dots, so every split of the key is tried.
+    """
     at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
     if at == 0 and not key.startswith("param_groups."):
         return False
-    start = at + len("param_groups.")
-    for dot in (i for i, ch in enumerate(key) if ch == "." and i >= start):
-        stem = key[: dot + 1]
-        if any(k.startswith(stem) for k in flat_a) and not any(k.startswith(stem) for k in flat_b):
-            return True
+    groups = key[: at + len("param_groups.")]
+    for dot in (i for i, ch in enumerate(key) if ch == "." and i > len(groups)):
+        name = key[dot + 1 :]
+        for flat in (flat_a, flat_b):
+            for k, v in flat.items():
+                if v is value and k.startswith(groups) and k.endswith("." + name):
+                    return True
     return False
 
 
@@ -107,7 +112,7 @@ def losses(a: Any, b: Any) -> list[str]:
         if flat_m is not None:
             extra = flat_m.keys() - flat_a.keys() - flat_b.keys()
             if (flat_a.keys() | flat_b.keys()) - flat_m.keys() or not all(
-                _group_filled(k, flat_a, flat_b) for k in extra
+                _group_filled(k, flat_m[k], flat_a, flat_b) for k in extra
             ):
                 problems.append("merge's keys are not the union of both sides' keys")
             taken = {m.key for m in merged.diff.mismatched if m.shape_differs}
