@@ -492,3 +492,21 @@ def test_hostile_allow_lists_raise_invalid_policy_error(value):
     ):
         with pytest.raises(dm.InvalidPolicyError):
             call()
+
+
+def test_a_checkpoint_only_key_in_nested_optimizer_state_is_reported_and_kept():
+    # was: when a parameter's state names matched on both sides, the checkpoint-driven pass
+    # skipped it, so a key only the checkpoint's nested (Shampoo-like) state had was silently
+    # dropped from the merge, missing from diff ("no differences") and let through by strict
+    t, u = torch.zeros(2), torch.ones(2)
+    groups = [{"lr": 1, "params": ["w"]}]
+    c = osd(groups, {"w": {"step": 1, "pre": {"left": t, "right": u}}})
+    r = osd(groups, {"w": {"step": 1, "pre": {"left": t}}})
+    assert dm.merge(c, r)["state"]["w"]["pre"] == {"left": t, "right": u}
+    assert dm.merge(c, r)["state"]["w"]["pre"]["right"] is u
+    assert dm.diff(c, r).unexpected == ("state.w.pre.right",) == dm.diff(r, c).missing
+    assert dm.diff(c, r) == dm.diff(dm.flatten(c), dm.flatten(r))
+    with pytest.raises(dm.MergeError, match=r"state\.w\.pre\.right"):
+        dm.merge(c, r, policy="strict")
+    dropped = dm.merge(c, r, policy=dm.Policy(drop_unexpected=True))
+    assert dropped["state"]["w"]["pre"] == {"left": t}
