@@ -1328,7 +1328,11 @@ class _Nested:
                 self.outcome.unexpected.extend(_flat_keys(c_entry, key))
                 if self.keep:
                     state[pid] = copy_tree(c_entry)
-            elif not (type(c_entry) is dict and c_entry.keys() == r_entry.keys()):
+            elif not (
+                type(c_entry) is dict
+                and c_entry.keys() == r_entry.keys()
+                and not any(isinstance(v, Mapping) for v in c_entry.values())
+            ):  # only flat entries with the same names have nothing unexpected (see _entry)
                 self._tree_unexpected(c_entry, r_entry, state[pid], key + ".", in_state=True)
         where = prefix + PARAM_GROUPS
         r_names: dict[Any, set[str]] = {}

@@ -323,9 +323,9 @@ def _state(
         return {"momentum_buffer": t()}
     if kind == "adam":
         return {"step": torch.tensor(float(step)), "exp_avg": t(), "exp_avg_sq": t()}
-    return {
+    return {  # Shampoo keeps one factor matrix per dimension
         "step": torch.tensor(float(step)),
-        "factor_matrices": {0: t(), 1: t()},
+        "factor_matrices": {i: t() for i in range(max(1, len(shape)))},
         "preconditioner": {"left": t()},
     }
 
@@ -622,7 +622,9 @@ def checkpoint_pairs(
       state it lacks (it never got a gradient, like a sparse-attention indexer);
     * *unexpected*: a parameter only the checkpoint has (a removed module);
     * *mismatched*: a parameter whose checkpoint tensors differ from the
-      reference's in shape or in dtype.
+      reference's in shape or in dtype (a reshaped parameter under a
+      Shampoo-like optimizer also has another number of factor matrices, so its
+      nested state has keys the other side lacks).
 
     The other parameters (``min_params`` to ``max_params`` of them) are the same
     on both sides, up to the values a trained optimizer changes.

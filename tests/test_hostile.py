@@ -62,30 +62,24 @@ def escapes(a: Any, b: Any) -> list[str]:
     return problems
 
 
-def _group_filled(key: str, flat_a: Any, flat_b: Any) -> bool:
-    """Whether ``key`` is a hyperparameter a parameter takes from its nested param group
-    (one value per group): ``<prefix>param_groups.<pid>.<name>`` with ``pid`` a parameter
-    of the checkpoint's optimizer that the reference's does not have (kept unexpected), or
-    a new parameter of the reference's that joined a checkpoint group holding ``name``,
-    which the reference's group lacks. Hostile hyperparameter names may hold dots, so
-    every split of the key is tried."""
+def _group_filled(key: str, value: Any, flat_a: Any, flat_b: Any) -> bool:
+    """Whether ``key`` holds a group hyperparameter that a member of a nested param group
+    takes from its group (one value per group), rather than a value merge made up.
+
+    That is ``<prefix>param_groups.<pid>.<name>`` whose value is, by identity, one the
+    inputs hold for ``name`` under another parameter of the same optimizer. Hostile
+    hyperparameter names may hold dots, so every split of the key is tried.
+    """
     at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
     if at == 0 and not key.startswith("param_groups."):
         return False
-    groups = key[:at] + "param_groups."
-    start = at + len("param_groups.")
-    for dot in (i for i, ch in enumerate(key) if ch == "." and i >= start):
-        stem, name = key[: dot + 1], key[dot + 1 :]
-        in_a = any(k.startswith(stem) for k in flat_a)
-        in_b = any(k.startswith(stem) for k in flat_b)
-        if in_a and not in_b:
-            return True
-        if (
-            in_b
-            and not in_a
-            and any(k.startswith(groups) and k.endswith("." + name) for k in flat_a)
-        ):
-            return True
+    groups = key[: at + len("param_groups.")]
+    for dot in (i for i, ch in enumerate(key) if ch == "." and i > len(groups)):
+        name = key[dot + 1 :]
+        for flat in (flat_a, flat_b):
+            for k, v in flat.items():
+                if v is value and k.startswith(groups) and k.endswith("." + name):
+                    return True
     return False
 
 
@@ -118,7 +112,7 @@ def losses(a: Any, b: Any) -> list[str]:
         if flat_m is not None:
             extra = flat_m.keys() - flat_a.keys() - flat_b.keys()
             if (flat_a.keys() | flat_b.keys()) - flat_m.keys() or not all(
-                _group_filled(k, flat_a, flat_b) for k in extra
+                _group_filled(k, flat_m[k], flat_a, flat_b) for k in extra
             ):
                 problems.append("merge's keys are not the union of both sides' keys")
             taken = {m.key for m in merged.diff.mismatched if m.shape_differs}
@@ -498,3 +492,21 @@ def test_hostile_allow_lists_raise_invalid_policy_error(value):
     ):
         with pytest.raises(dm.InvalidPolicyError):
             call()
+
+
+def test_a_checkpoint_only_key_in_nested_optimizer_state_is_reported_and_kept():
+    # was: when a parameter's state names matched on both sides, the checkpoint-driven pass
+    # skipped it, so a key only the checkpoint's nested (Shampoo-like) state had was silently
+    # dropped from the merge, missing from diff ("no differences") and let through by strict
+    t, u = torch.zeros(2), torch.ones(2)
+    groups = [{"lr": 1, "params": ["w"]}]
+    c = osd(groups, {"w": {"step": 1, "pre": {"left": t, "right": u}}})
+    r = osd(groups, {"w": {"step": 1, "pre": {"left": t}}})
+    assert dm.merge(c, r)["state"]["w"]["pre"] == {"left": t, "right": u}
+    assert dm.merge(c, r)["state"]["w"]["pre"]["right"] is u
+    assert dm.diff(c, r).unexpected == ("state.w.pre.right",) == dm.diff(r, c).missing
+    assert dm.diff(c, r) == dm.diff(dm.flatten(c), dm.flatten(r))
+    with pytest.raises(dm.MergeError, match=r"state\.w\.pre\.right"):
+        dm.merge(c, r, policy="strict")
+    dropped = dm.merge(c, r, policy=dm.Policy(drop_unexpected=True))
+    assert dropped["state"]["w"]["pre"] == {"left": t}
