@@ -342,14 +342,33 @@ def _finish(
         outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merged is not None else []
     if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
-        table = _PgTable.of(r)
-        if table is None:
-            _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
-        else:
-            table.resolve(c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
+        _resolve_groups(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
     if missing or conflicts:
         _prefixed_groups(c, r, outcome, conflicts=conflicts)
     return outcome
+
+
+def _resolve_groups(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    groups: list[list[str]] | None,
+    backfilled: list[str],
+    outcome: Outcome,
+    *,
+    conflicts: bool,
+    c_at_r: Callable[[], Iterable[Any]] | None = None,
+) -> None:
+    """Group-consistent values for backfilled ``param_groups.*`` keys, and conflicts.
+
+    By columns when the reference's ``param_groups.*`` keys form a table (every
+    parameter with the same hyperparameter names, in the same order: what torch
+    writes), else key by key.
+    """
+    table = _PgTable.of(r)
+    if table is None:
+        _group_hyperparameters(c, r, groups, backfilled, outcome, conflicts=conflicts)
+    else:
+        table.resolve(c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
 
 
 _NESTED_PG = "." + PG_PREFIX
@@ -381,7 +400,7 @@ def _prefixed_groups(
         sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
         mine = [k[n:] for k in backfilled if k.startswith(head)]
         sub = Outcome({} if merged is not None else None, [], [], [])
-        _group_hyperparameters(sub_c, sub_r, None, mine, sub, conflicts=conflicts)
+        _resolve_groups(sub_c, sub_r, None, mine, sub, conflicts=conflicts)
         if merged is not None and sub.merged:
             merged.update((prefix + k, v) for k, v in sub.merged.items())
         outcome.conflicts.extend(f"{prefix[:-1]!r}: {line}" for line in sub.conflicts)
