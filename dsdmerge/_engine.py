@@ -6,8 +6,8 @@ merged state dict in the checkpoint's layout, in one walk:
 * flat pairs: one C-level type pass over each side's values; a walk of the two
   key sequences side by side (string comparisons, a lookup only where they
   differ) that finds the missing and unexpected keys and checks the key types;
-  the result, exactly ``{**reference, **checkpoint}``, built from a copy of the
-  reference by writing only the checkpoint values that are other objects; the
+  the result, ``{**reference, **checkpoint}`` as a mapping but in the checkpoint's
+  key order: a copy of the checkpoint plus one write per missing key; the
   shape/dtype checks of all tensor pairs in C-level passes; group-consistent
   values for backfilled ``param_groups.*`` keys. Keys in another order fall back
   to a pass over the union;
@@ -28,7 +28,18 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from itertools import accumulate, chain, compress, count, cycle, filterfalse, islice, repeat
-from operator import add, and_, attrgetter, is_, is_not, itemgetter, methodcaller, ne, not_
+from operator import (
+    add,
+    and_,
+    attrgetter,
+    contains,
+    is_,
+    is_not,
+    itemgetter,
+    methodcaller,
+    ne,
+    not_,
+)
 from typing import Any
 
 import torch
@@ -264,21 +275,8 @@ def _flat(
     r_vals: list[Any] = []
     u_vals: list[Any] = []
     if merge:
-        # {**r, **c} exactly (same keys, order and objects), built from a copy of the reference
-        # by writing the checkpoint's value only where it is another object: each write looks
-        # the reference's own key object up, and a shared value (False, None, ...) needs none.
-        # (a block at a time: no list as long as the state dict, and the block stays in cache)
-        merged = {**r}
-        c_at_r = _c_values_at_r(c, r, runs, missing)
-        r_keys, r_values = iter(r), iter(r.values())
-        while block := list(islice(c_at_r, _BLOCK)):
-            other = bytes(map(is_not, block, r_values))
-            merged.update(compress(zip(islice(r_keys, len(block)), block), other))  # noqa: B905
-        if unexpected and keep_unexpected:
-            merged.update(zip(unexpected, map(c.__getitem__, unexpected), strict=True))
-        if 1 in picked:  # the merged values at the reference's positions are the checkpoint's
-            u_vals = list(compress(merged.values(), picked))
-    elif 1 in picked:
+        merged = _checkpoint_then_backfill(c, r, missing, unexpected, keep_unexpected)
+    if 1 in picked:  # the checkpoint's values at the reference's tensor positions
         u_vals = list(compress(_c_values_at_r(c, r, runs, missing), picked))
     if u_vals:
         r_vals = list(compress(r.values(), picked))
@@ -294,6 +292,28 @@ def _flat(
         groups=groups,
         c_at_r=lambda: _c_values_at_r(c, r, runs, missing, MISSING),
     )
+
+
+def _checkpoint_then_backfill(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    missing: list[str],
+    unexpected: list[str],
+    keep_unexpected: bool,
+) -> dict[str, Any]:
+    """The merged flat dict: the checkpoint's keys in its order, then the missing ones.
+
+    A copy of the checkpoint (a copy of its hash table, no lookups) and one write per
+    missing key, with the reference's value; unexpected keys are dropped unless kept.
+    Equal to ``{**r, **c}`` as a mapping, with the values of ``c`` by identity.
+    """
+    merged = {**c}
+    if missing:
+        merged.update(zip(missing, map(r.__getitem__, missing), strict=True))
+    if unexpected and not keep_unexpected:
+        for key in unexpected:
+            del merged[key]
+    return merged
 
 
 def _mismatches(
@@ -393,7 +413,9 @@ def _prefixed_groups(
     backfilled = [k for k in outcome.missing if _NESTED_PG in k] if merged is not None else []
     prefixes = dict.fromkeys(filter(None, map(_group_prefix, backfilled)))
     if conflicts:
-        prefixes.update(dict.fromkeys(filter(None, map(_group_prefix, c))))
+        # only keys with ".param_groups." in them (a C-level pass) have a prefix
+        nested = compress(c, map(contains, c, repeat(_NESTED_PG)))
+        prefixes.update(dict.fromkeys(filter(None, map(_group_prefix, nested))))
     for prefix in prefixes:
         head, n = prefix + PG_PREFIX, len(prefix)
         sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
@@ -407,7 +429,6 @@ def _prefixed_groups(
 
 
 _CHUNK = 1024  # keys taken from each side at a time in _align
-_BLOCK = 16384  # values written at a time when a flat merge fills its result
 
 
 def _align(
@@ -561,10 +582,7 @@ def _flat_by_union(
     del r_keys, r_vals, u_vals
     merged: dict[str, Any] | None = None
     if merge:
-        merged = union
-        if unexpected and not keep_unexpected:
-            for key in unexpected:
-                del merged[key]
+        merged = _checkpoint_then_backfill(c, r, missing, unexpected, keep_unexpected)
     return _finish(
         c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
     )

@@ -66,7 +66,11 @@ def merge(
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
 
     Returns:
-        A new state dict in the checkpoint's layout.
+        A new state dict in the checkpoint's layout. A flat result lists the
+        checkpoint's keys in the checkpoint's order, then the backfilled keys in
+        the reference's order (equal to ``{**reference, **checkpoint}`` as a
+        mapping); a nested result follows the reference's structure. torch's
+        loaders look keys up by name, so the order never changes what loads.
 
     Raises:
         MergeError: The policy rejects a difference (always for tensor shape

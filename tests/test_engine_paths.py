@@ -70,6 +70,11 @@ keys = st.sampled_from(
 )
 
 
+def merged_order(c: dict, r: dict) -> list[str]:
+    """A flat merge's key order: the checkpoint's keys, then the backfilled ones."""
+    return [*c, *(k for k in r if k not in c)]
+
+
 @st.composite
 def flat_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
     r = draw(st.dictionaries(keys, values, max_size=24))
@@ -107,7 +112,9 @@ def test_merge_matches_the_model(pair, drop):
         unexpected,
         mismatched,
     )
-    expected = {**r, **c}
+    # the checkpoint's keys in its order, then the backfilled ones in the reference's order
+    expected = {k: c[k] if k in c else r[k] for k in merged_order(c, r)}
+    assert expected == {**r, **c}
     for k in unexpected if drop else ():
         del expected[k]
     for k in mismatched:
@@ -153,15 +160,15 @@ def test_many_scattered_differences_give_up_the_walk_and_still_agree_with_the_mo
         unexpected,
         mismatched,
     )
-    assert list(dm.merge(c, r)) == list({**r, **c})
+    assert list(dm.merge(c, r)) == merged_order(c, r)
 
 
-def test_a_merge_larger_than_its_blocks_keeps_every_object_in_place():
+def test_a_large_merge_keeps_every_object_in_place():
     r = {f"k{i}": (torch.zeros(1) if i % 3 else False) for i in range(40_000)}
     c = {k: (torch.zeros(1) if i % 3 else False) for i, k in enumerate(r) if i % 1000 != 7}
     c["new"] = 1.5
     out = dm.merge(c, r)
-    assert list(out) == list({**r, **c})
+    assert list(out) == merged_order(c, r)
     assert all(out[k] is (c[k] if k in c else r[k]) for k in out)
 
 
@@ -173,7 +180,8 @@ def test_keys_in_another_order_agree_with_the_model():
     assert (list(d.missing), list(d.mismatched_keys)) == (missing, mismatched)
     assert not d.unexpected
     out = dm.merge(c, r, policy=MERGING)
-    assert list(out) == list(r)
+    assert list(out) == merged_order(c, r)
+    assert list(out)[-1] == "k17"  # backfilled: after the checkpoint's keys
 
 
 @pytest.mark.parametrize("side", ["checkpoint", "reference"])

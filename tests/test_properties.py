@@ -167,6 +167,17 @@ def test_layout_preservation(pair):
     assert dm.classify(dm.merge(c, r, policy=MERGING)) is dm.classify(c)
 
 
+@given(
+    st.one_of(checkpoint_pairs(layout="flat"), checkpoint_pairs(layout="flat", kind="model")),
+    st.booleans(),
+)
+def test_a_flat_merge_keeps_the_checkpoints_key_order_then_appends_backfills(pair, drop):
+    c, r = pair
+    out = dm.merge(c, r, policy=MERGING.replace(drop_unexpected=drop))
+    kept = [k for k in c if k in r or not drop]
+    assert list(out) == kept + [k for k in r if k not in c]
+
+
 @given(pairs)
 def test_merge_commutes_with_flatten(pair):
     c, r = pair
