@@ -197,23 +197,24 @@ def _diff(args: argparse.Namespace) -> int:
     ckpt = _view(args.checkpoint, trusted=args.trust)
     ref = _view(args.reference, trusted=args.trust)
     d = dm.diff(ckpt, ref)
-    status = EXIT_DIFFERS if d else EXIT_OK
-    if args.json:
-        _print_json(
-            {
-                "checkpoint": ckpt.path,
-                "reference": ref.path,
-                "differs": bool(d),
-                **d.to_dict(),
-                "summary": summary(d),
-            }
-        )
-        return status
-    style = _Style.of(sys.stdout)
-    for label, view in (("checkpoint", ckpt), ("reference", ref)):
-        print(f"{label}: {view.path} ({view.format}, {len(view):,} keys)")
-    print(render(d, limit=args.limit, table=style.table, color=style.color))
-    return status
+    # the status is the answer: a reader that stops early (`| head`) must not turn it into 0
+    with _reader_may_leave():
+        if args.json:
+            _print_json(
+                {
+                    "checkpoint": ckpt.path,
+                    "reference": ref.path,
+                    "differs": bool(d),
+                    **d.to_dict(),
+                    "summary": summary(d),
+                }
+            )
+        else:
+            style = _Style.of(sys.stdout)
+            for label, view in (("checkpoint", ckpt), ("reference", ref)):
+                print(f"{label}: {view.path} ({view.format}, {len(view):,} keys)")
+            print(render(d, limit=args.limit, table=style.table, color=style.color))
+    return EXIT_DIFFERS if d else EXIT_OK
 
 
 # -- merge ---------------------------------------------------------------------------
@@ -631,13 +632,28 @@ def _version() -> str:
 
 @contextlib.contextmanager
 def _quiet_broken_pipe() -> Iterator[None]:
-    """``dsdmerge diff ... | head`` must not end in a traceback."""
+    """``dsdmerge inspect ... | head`` must not end in a traceback."""
     try:
         yield
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _stdout_to_devnull()
         raise
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Print, flush, and carry on if the reader has closed the pipe."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: the interpreter's final flush must not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

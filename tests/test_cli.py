@@ -176,6 +176,27 @@ def test_diff_exits_0_when_nothing_differs(files):
     assert proc.stdout.splitlines()[-1] == "no differences"
 
 
+def test_diff_keeps_its_exit_status_when_the_reader_stops_early(tmp_path):
+    # `dsdmerge diff a b --json | head -c 1`: the pipe closes long before the report ends
+    torch.save({f"layers.{i}.w": 0.0 for i in range(20_000)}, tmp_path / "many.pt")
+    torch.save({}, tmp_path / "empty.pt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsdmerge", "diff", "many.pt", "empty.pt", "--json"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    assert proc.stdout.read(1) == b"{"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err  # it differs, whoever stopped reading
+    assert err == ""
+
+
 def test_diff_json_across_formats(files):
     proc = run("diff", str(files / "ckpt.safetensors"), str(files / "ref.pt"), "--json")
     assert proc.returncode == 1, proc.stderr
