@@ -633,14 +633,38 @@ class _PgTable:
     def of(cls, r: Mapping[str, Any]) -> _PgTable | None:
         """The table of ``r``, or ``None`` when its keys do not have that shape.
 
+        torch writes every ``state.*`` key before the first ``param_groups.*`` key,
+        so the keys from the first ``param_groups.*`` key on are tried as the table
+        first (finding it scans only the keys before it); when they do not all
+        fit, every key is tested.
+        """
+        first = next(compress(count(), map(str.startswith, r, repeat(PG_PREFIX))), None)
+        if first is None:
+            return None
+        table = cls._shaped(
+            bytes(first) + b"\x01" * (len(r) - first),
+            list(islice(r, first, None)),
+            lambda: list(islice(r.values(), first, None)),
+        )
+        if table is None:  # other keys among them (or no table at all)
+            picked = bytes(map(str.startswith, r, repeat(PG_PREFIX)))
+            table = cls._shaped(
+                picked, list(compress(r, picked)), lambda: list(compress(r.values(), picked))
+            )
+        return table
+
+    @classmethod
+    def _shaped(
+        cls, picked: bytes, keys: list[str], values: Callable[[], list[Any]]
+    ) -> _PgTable | None:
+        """The table of ``keys`` (at the positions ``picked``), if they have its shape.
+
         The shape is checked without splitting every key: the first row gives the
         hyperparameter names, the first key of each row its fqn, and then every key
         must be ``param_groups.<row fqn>.<column name>`` (prefix, suffix and length),
         which is what :func:`_parse_groups` would make of it.
         """
         n = len(PG_PREFIX)
-        picked = bytes(map(str.startswith, r, repeat(PG_PREFIX)))
-        keys = list(compress(r, picked))
         if not keys:
             return None
         first_fqn, dot, _ = keys[0][n:].rpartition(".")
@@ -669,7 +693,7 @@ class _PgTable:
             or list(map(len, keys)) != list(map(add, map(len, each), cycle(map(len, names))))
         ):
             return None
-        return cls(picked, keys, fqns, names, list(compress(r.values(), picked)))
+        return cls(picked, keys, fqns, names, values())
 
     def inferred_groups(self) -> list[list[int]]:
         """Rows whose reference hyperparameters are all equal, in order of first appearance.

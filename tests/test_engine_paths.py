@@ -8,6 +8,8 @@ singleton values, tensor-likes of other types, tensors where the other side has 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -291,3 +293,81 @@ def test_flatten_of_many_parameters_keeps_torchs_order():
     )
     assert list(ours) == list(theirs)
     assert all(ours[k] is theirs[k] for k in theirs)
+
+
+# -- group-consistent hyperparameters: the table path and the key-by-key path ----------
+
+
+def _flat_osd(groups: list[tuple[dict, list[str]]], with_state: set[str]) -> dict:
+    """A flat optimizer dict in torch's order: every state.* key, then every param_groups.* key."""
+    fqns = [f for _, members in groups for f in members]
+    state = {f"state.{f}.step": torch.zeros(()) for f in fqns if f in with_state}
+    pgs = {
+        f"param_groups.{f}.{name}": value
+        for hyper, members in groups
+        for f in members
+        for name, value in hyper.items()
+    }
+    return {**state, **pgs}
+
+
+def _orders(sd: dict) -> dict[str, dict]:
+    """``sd`` as torch orders it, with each parameter's keys together, and with one parameter's
+    hyperparameters in another order (the same members, in the same order, every time)."""
+    per_param = sorted(sd, key=lambda k: (k.split(".", 1)[1].rsplit(".", 1)[0], k))
+    odd = [k for k in sd if k != "param_groups.n.lr"] + ["param_groups.n.lr"]
+    return {
+        "table": sd,
+        "table after a full scan": {k: sd[k] for k in per_param},
+        "key by key": {k: sd[k] for k in odd},
+    }
+
+
+@pytest.mark.parametrize("policy", ["default", "warn"])
+def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
+    from dsdmerge import _engine
+
+    paths: list[str] = []
+    shaped, by_key = _engine._PgTable._shaped.__func__, _engine._group_hyperparameters
+
+    def spy_shaped(cls, picked, *args):
+        table = shaped(cls, picked, *args)
+        paths.append("no table" if table is None else f"table of {picked.count(1)}")
+        return table
+
+    def spy_by_key(*args, **kwargs):
+        paths.append("key by key")
+        return by_key(*args, **kwargs)
+
+    monkeypatch.setattr(_engine._PgTable, "_shaped", classmethod(spy_shaped))
+    monkeypatch.setattr(_engine, "_group_hyperparameters", spy_by_key)
+
+    # "new" has no keys in the checkpoint; "a" and "b" are in one reference group but disagree
+    fresh = {"lr": 1e-3, "weight_decay": 0.1}
+    r = _flat_osd([(fresh, ["a", "new", "b"]), ({"lr": 1e-3, "weight_decay": 0.0}, ["n"])], set())
+    r = {**{f"state.{f}.step": torch.zeros(()) for f in ("a", "new", "b", "n")}, **r}
+    trained = [
+        ({"lr": 5e-5, "weight_decay": 0.1}, ["a"]),
+        ({"lr": 4e-5, "weight_decay": 0.1}, ["b"]),
+        ({"lr": 5e-5, "weight_decay": 0.0}, ["n"]),
+    ]
+    c = _flat_osd(trained, {"a", "b", "n"})
+    results = {}
+    for name, ref in _orders(r).items():
+        paths.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = dm.merge_with_diff(c, ref, policy=policy)
+        results[name] = (out.state_dict, out.conflicts, len(caught), list(paths))
+        # the first member of the group that the checkpoint has, as torch would read it
+        assert out.state_dict["param_groups.new.lr"] is c["param_groups.a.lr"]
+        assert out.state_dict["param_groups.new.weight_decay"] is c["param_groups.a.weight_decay"]
+    assert results["table"][3] == ["table of 8"]
+    assert results["table after a full scan"][3] == ["no table", "table of 8"]
+    assert results["key by key"][3] == ["no table", "no table", "key by key"]
+    first, conflicts, n_warnings, _ = results["table"]
+    for sd, *rest in results.values():
+        assert sd.keys() == first.keys()
+        assert all(sd[k] is first[k] for k in first)
+        assert rest[:2] == [conflicts, n_warnings]
+    assert ("disagree on 'lr'" in " ".join(conflicts)) == (policy == "warn")
