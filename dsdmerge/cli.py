@@ -663,6 +663,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     OUT that exists) print one line on stderr and return :data:`EXIT_ERROR`;
     set ``DSDMERGE_TRACEBACK=1`` to see the traceback of an unexpected one.
 
+    Args:
+        argv: The arguments after the program name; ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        0 (success; for ``diff``, nothing differs), 1 (``diff``: something differs;
+        ``merge``: the policy refused) or 2 (an error).
+
     Example:
         >>> from dsdmerge.cli import main
         >>> main(["inspect", "/no/such/file.pt"])  # doctest: +SKIP

@@ -107,6 +107,13 @@ def merge_with_diff(
 
     Does not modify its inputs.
 
+    Args:
+        checkpoint: The state dict you loaded (flat or nested).
+        reference: The state dict of the model or optimizer you have now.
+        policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
+        allow_missing: fnmatch globs over flat keys the checkpoint may lack.
+        allow_unexpected: fnmatch globs over flat keys the reference may lack.
+
     Returns:
         ``Merged(state_dict, diff, conflicts)``.
 
@@ -134,6 +141,13 @@ def check(
     so either side may be a metadata-only view (values that are
     :class:`~dsdmerge.TensorMeta`): decide before loading any tensor. Does not
     modify its inputs.
+
+    Args:
+        checkpoint: The checkpoint's state dict, or a metadata-only view of it.
+        reference: The state dict you have now, or a view of it.
+        policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
+        allow_missing: fnmatch globs over flat keys the checkpoint may lack.
+        allow_unexpected: fnmatch globs over flat keys the reference may lack.
 
     Returns:
         The :class:`~dsdmerge.KeyDiff`.

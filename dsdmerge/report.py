@@ -426,6 +426,13 @@ def format_keys(keys: Iterable[str], /, *, limit: int = _SHOWN) -> str:
     Each pattern is quoted and followed by its key count when it stands for
     more than one key. Deterministic; does not modify its input.
 
+    Args:
+        keys: Flat keys, in any order.
+        limit: How many patterns to show before the count of the rest.
+
+    Returns:
+        One line of text.
+
     Example:
         >>> from dsdmerge.report import format_keys
         >>> format_keys(["b", "a.0", "a.1", "a.2", "c.x"], limit=2)
@@ -462,6 +469,13 @@ def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> s
 
     Keys with the same pair of shapes and dtypes are compressed into patterns;
     the ``limit`` largest are shown. Does not modify its input.
+
+    Args:
+        items: The mismatches, e.g. ``KeyDiff.mismatched``.
+        limit: How many patterns to show before the count of the rest.
+
+    Returns:
+        One line of text.
 
     Example:
         >>> import torch, dsdmerge as dm
