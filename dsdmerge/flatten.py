@@ -158,12 +158,13 @@ def _flatten_optimizer(
         where = f"{prefix}{PARAM_GROUPS}[{index}]"
         hyper = _group_items(group, where)
         params = group[PARAMS]
-        if not hyper or not params:
-            continue
-        # (an f-string spells int and str ids as key_str does; key_str for the others, or raise)
+        # (an f-string spells int and str ids as key_str does; key_str for the others, or raise:
+        # also in a group that writes no keys, as unflatten, diff and merge refuse them there)
         spelled = params
         if not set(map(type, params)) <= {int, str}:
             spelled = [key_str(pid, where) for pid in params]
+        if not hyper or not params:
+            continue
         # one key per parameter and hyperparameter, parameter by parameter, as torch
         # (a block of keys at a time: each key is hashed into ``out`` while still in cache)
         names, values = zip(*hyper, strict=True)

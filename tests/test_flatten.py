@@ -341,3 +341,14 @@ def test_unflatten_output_loads_for_several_optimizers():
     for key, value in saved.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(resumed[key], value), key
+
+
+@pytest.mark.parametrize("bad", [[1], None, 1.5, "cycle"])
+def test_bad_param_ids_are_refused_even_in_a_group_without_hyperparameters(bad):
+    # such a group writes no flat key, but unflatten, diff and merge refuse its ids: so must flatten
+    params: list = []
+    params.append(params if bad == "cycle" else bad)
+    osd = {"state": {}, "param_groups": [{"params": params}]}
+    for call in (dm.flatten, lambda x: dm.unflatten({}, like=x), lambda x: dm.diff(x, x)):
+        with pytest.raises(dm.StateDictTypeError, match=r"param_groups\[0\]"):
+            call(osd)
