@@ -98,33 +98,28 @@ def _check_bool(name: str, value: object) -> None:
         raise InvalidArgument(f"{name}={value!r} must be a bool")
 
 
-def _check_optimizers(optimizers: object) -> tuple[str, ...]:
-    if isinstance(optimizers, str):
-        optimizers = (optimizers,)
+def _one_or_more(name: str, value: object, one: type, what: str, noun: str) -> tuple[Any, ...]:
+    """``value`` (one ``one``, or a sequence of them) as a non-empty tuple without repeats."""
+    if isinstance(value, one):
+        value = (value,)
     try:
-        chosen = tuple(dict.fromkeys(optimizers))  # type: ignore[call-overload]
+        chosen = tuple(dict.fromkeys(value))  # type: ignore[call-overload]
     except TypeError:
-        raise InvalidArgument(
-            f"optimizers={optimizers!r} must be an optimizer kind or a sequence of them"
-        ) from None
+        raise InvalidArgument(f"{name}={value!r} must be {what} or a sequence of them") from None
     if not chosen:
-        raise InvalidArgument("optimizers must name at least one optimizer kind")
+        raise InvalidArgument(f"{name} must name at least one {noun}")
+    return chosen
+
+
+def _check_optimizers(optimizers: object) -> tuple[str, ...]:
+    chosen = _one_or_more("optimizers", optimizers, str, "an optimizer kind", "optimizer kind")
     for kind in chosen:
         _check_choice("optimizers", kind, OPTIMIZERS)
     return chosen
 
 
 def _check_dtypes(dtypes: object) -> tuple[torch.dtype, ...]:
-    if isinstance(dtypes, torch.dtype):
-        dtypes = (dtypes,)
-    try:
-        chosen = tuple(dict.fromkeys(dtypes))  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgument(
-            f"dtypes={dtypes!r} must be a torch dtype or a sequence of them"
-        ) from None
-    if not chosen:
-        raise InvalidArgument("dtypes must name at least one dtype")
+    chosen = _one_or_more("dtypes", dtypes, torch.dtype, "a torch dtype", "dtype")
     for dtype in chosen:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgument(
