@@ -97,31 +97,8 @@ def _trust_warning(args: argparse.Namespace) -> None:
 
 def _read(path: str, *, trusted: bool) -> tuple[Any, str]:
     """The metadata-only view of a checkpoint and the layout it was saved in."""
-    from dsdmerge.errors import LayoutError
-    from dsdmerge.integrations.checkpoints import (
-        detect_format,
-        load_checkpoint,
-        read_dcp_metadata,
-        read_metadata,
-    )
-    from dsdmerge.layout import classify
-
-    fmt = detect_format(path)
-    if fmt == "dcp":
-        view, metadata = read_dcp_metadata(path, trusted=trusted)
-        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
-        return view, getattr(view, "layout", None) or ("nested" if nested else "flat")
-    view = read_metadata(path, trusted=trusted)
-    layout = getattr(view, "layout", None)
-    if layout is None and fmt == "torch":
-        # The view is flat; the saved nesting needs the unpickled structure. The load
-        # memory-maps the file and touches no tensor bytes.
-        try:
-            layout = classify(load_checkpoint(path, trusted=trusted))
-        except LayoutError:
-            layout = "mixed (nested optimizer sections next to flattened keys)"
-    return view, str(layout or "flat")
+    view = _view(path, trusted=trusted)
+    return view, view.layout.value
 
 
 def _view(path: str, *, trusted: bool) -> Any:

@@ -359,3 +359,25 @@ def test_torch_file_that_is_not_a_state_dict(tmp_path):
         read_metadata(tmp_path / "list.pt")
     with pytest.raises(dm.CheckpointReadError, match="holds a list, not a state dict"):
         load_checkpoint(tmp_path / "list.pt")
+
+
+def test_views_know_the_layout_the_checkpoint_was_saved_in(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    saved = {
+        "model.pt": (model.state_dict(), dm.Layout.FLAT),
+        "optim.pt": (opt.state_dict(), dm.Layout.NESTED),
+        "whole.pt": ({"model": model.state_dict(), "optim": opt.state_dict()}, dm.Layout.NESTED),
+    }
+    for name, (sd, _) in saved.items():
+        torch.save(sd, tmp_path / name)
+    dcp_save({"model": model.state_dict()}, tmp_path / "dcp_nested")
+    dcp_save(dict(model.state_dict()), tmp_path / "dcp_flat")
+    expected = {name: layout for name, (_, layout) in saved.items()}
+    expected |= {"dcp_nested": dm.Layout.NESTED, "dcp_flat": dm.Layout.FLAT}
+    for name, layout in expected.items():
+        view = read_metadata(tmp_path / name)
+        assert view.layout is layout, name
+        assert dm.classify(view) is dm.Layout.FLAT  # the view itself is always flat

@@ -145,11 +145,15 @@ def test_inspect_json_every_format(files, name, fmt, layout, prefix):
     ]
 
 
-def test_inspect_nested_torch_checkpoint(tmp_path):
+def test_inspect_nested_torch_checkpoint(tmp_path, monkeypatch):
     torch.save({"model": reference_sd(), "step": 3}, tmp_path / "full.pt")
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
     report = json.loads(run_here("inspect", str(tmp_path / "full.pt"), "--json").stdout)
     assert report["layout"] == "nested"
     assert report["keys"] == 62
+    assert len(loads) == 1  # the layout comes with the metadata view: one (mmap) load
 
 
 # -- diff --------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ import torch
 from dsdmerge.diff import TensorMeta, dtype_name
 from dsdmerge.errors import CheckpointReadError, UnsafeCheckpointError
 from dsdmerge.flatten import flatten
+from dsdmerge.layout import Layout, classify
 
 __all__ = [
     "CheckpointFormat",
@@ -119,6 +120,10 @@ class CheckpointView(Mapping[str, Any]):
             the tensors describe, not what this file stores); views sharing a
             storage count once per view.
         dtypes: ``{dtype name: number of tensors}``, e.g. ``{"float32": 10}``.
+        layout: The :class:`~dsdmerge.Layout` the checkpoint was saved in (the
+            view itself is always flat): nested for a torch file holding
+            ``optimizer.state_dict()`` or ``{"model": ..., "optim": ...}``, or a
+            DCP directory of nested state; flat for safetensors.
         UNREAD: The placeholder for DCP non-tensor values (identical everywhere,
             so two of them always compare equal).
 
@@ -130,16 +135,26 @@ class CheckpointView(Mapping[str, Any]):
         ...     view = read_metadata(f"{tmp}/ckpt.pt")
         >>> dict(view), view.format, view.nbytes
         ({'w': TensorMeta(shape=(2, 3), dtype=torch.float32), 'epoch': 4}, 'torch', 24)
+        >>> view.layout
+        <Layout.FLAT: 'flat'>
     """
 
-    __slots__ = ("_dtypes", "_entries", "_format", "_nbytes", "_path", "_tensor_count")
+    __slots__ = ("_dtypes", "_entries", "_format", "_layout", "_nbytes", "_path", "_tensor_count")
 
     UNREAD: ClassVar[Any] = UNREAD
 
-    def __init__(self, entries: dict[str, Any], *, path: str, format: CheckpointFormat) -> None:
+    def __init__(
+        self,
+        entries: dict[str, Any],
+        *,
+        path: str,
+        format: CheckpointFormat,
+        layout: Layout = Layout.FLAT,
+    ) -> None:
         self._entries = entries
         self._path = path
         self._format: CheckpointFormat = format
+        self._layout = layout
         count = 0
         nbytes = 0
         dtypes: dict[str, int] = {}
@@ -162,6 +177,11 @@ class CheckpointView(Mapping[str, Any]):
     def format(self) -> CheckpointFormat:
         """``"dcp"``, ``"torch"`` or ``"safetensors"``."""
         return self._format
+
+    @property
+    def layout(self) -> Layout:
+        """The layout the checkpoint was saved in (the view itself is flat)."""
+        return self._layout
 
     @property
     def tensor_count(self) -> int:
@@ -337,10 +357,9 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: bool = False) -> 
     if fmt == "dcp":
         return read_dcp_metadata(where, trusted=trusted)[0]
     if fmt == "torch":
-        entries = _torch_entries(where, trusted=trusted)
-    else:
-        entries = _safetensors_entries(where)
-    return CheckpointView(entries, path=where, format=fmt)
+        entries, layout = _torch_entries(where, trusted=trusted)
+        return CheckpointView(entries, path=where, format=fmt, layout=layout)
+    return CheckpointView(_safetensors_entries(where), path=where, format=fmt)
 
 
 def read_dcp_metadata(where: str, *, trusted: bool) -> tuple[CheckpointView, Any]:
@@ -349,7 +368,11 @@ def read_dcp_metadata(where: str, *, trusted: bool) -> tuple[CheckpointView, Any
         raise CheckpointReadError(f"{where}: not a DCP checkpoint directory", path=where)
     metadata = _read_dcp_metadata(where, trusted=trusted)
     entries = _dcp_entries(where, metadata, trusted=trusted)
-    return CheckpointView(entries, path=where, format="dcp"), metadata
+    # DCP records each saved value's path in the state dict: nested when one has two parts
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
+    layout = Layout.NESTED if nested else Layout.FLAT
+    return CheckpointView(entries, path=where, format="dcp", layout=layout), metadata
 
 
 def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: bool = False) -> dict[str, Any]:
@@ -476,13 +499,14 @@ def _import_dtensor() -> None:
         import torch.distributed.tensor  # noqa: F401
 
 
-def _torch_entries(where: str, *, trusted: bool) -> dict[str, Any]:
+def _torch_entries(where: str, *, trusted: bool) -> tuple[dict[str, Any], Layout]:
     loaded = _torch_load(where, trusted=trusted, map_location="meta")
     if not isinstance(loaded, Mapping):
         raise CheckpointReadError(
             f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
         )
-    return {key: _to_meta(value) for key, value in flatten(loaded).items()}
+    entries = {key: _to_meta(value) for key, value in flatten(loaded).items()}
+    return entries, classify(loaded)
 
 
 def _to_meta(value: Any) -> Any:
