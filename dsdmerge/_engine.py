@@ -641,16 +641,16 @@ class _PgTable:
         first = next(compress(count(), map(str.startswith, r, repeat(PG_PREFIX))), None)
         if first is None:
             return None
+        tail = bytes(first) + b"\x01" * (len(r) - first)
         table = cls._shaped(
-            bytes(first) + b"\x01" * (len(r) - first),
-            list(islice(r, first, None)),
-            lambda: list(islice(r.values(), first, None)),
+            tail, list(islice(r, first, None)), lambda: list(islice(r.values(), first, None))
         )
-        if table is None:  # other keys among them (or no table at all)
+        if table is None:  # other keys among them, or no table at all
             picked = bytes(map(str.startswith, r, repeat(PG_PREFIX)))
-            table = cls._shaped(
-                picked, list(compress(r, picked)), lambda: list(compress(r.values(), picked))
-            )
+            if picked != tail:
+                table = cls._shaped(
+                    picked, list(compress(r, picked)), lambda: list(compress(r.values(), picked))
+                )
         return table
 
     @classmethod
