@@ -9,6 +9,7 @@ property; ``HYPOTHESIS_PROFILE=fuzz python -m pytest tests``).
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,7 +55,15 @@ def same_tree(a: Any, b: Any) -> bool:
 
 
 class Snapshot:
-    """A deep record of a state dict: containers, their contents, leaf identity, tensor data."""
+    """A deep record of a state dict, so that any mutation makes :meth:`unchanged` false.
+
+    Every container reachable from ``tree`` (cycles and any depth allowed): its
+    identity, type, and the identities of its keys and values in order. Every tensor:
+    version counter, storage pointer, dtype, shape and contents (meta tensors: shape
+    and dtype). Mutable leaves (``bytearray``, ``set``): their contents. So a key
+    added or removed, a value replaced, a list appended to, or tensor data written
+    (in place or by swapping its storage) is seen.
+    """
 
     def __init__(self, tree: Any) -> None:
         self.tree = tree
@@ -63,35 +72,55 @@ class Snapshot:
     @staticmethod
     def _take(tree: Any) -> list[Any]:
         out: list[Any] = []
+        seen: set[int] = set()
         stack = [tree]
         while stack:
             node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
             if isinstance(node, Mapping):
-                out.append((id(node), tuple(node.keys()), tuple(id(v) for v in node.values())))
-                stack.extend(node.values())
-            elif isinstance(node, list):
-                out.append((id(node), len(node), tuple(id(v) for v in node)))
+                items = list(node.items())
+                out.append((id(node), type(node), [(id(k), id(v)) for k, v in items]))
+                for k, v in items:
+                    stack.append(k)
+                    stack.append(v)
+            elif isinstance(node, (list, tuple)):
+                out.append((id(node), type(node), [id(v) for v in node]))
                 stack.extend(node)
-            elif isinstance(node, torch.Tensor):
-                if node.device.type == "meta":
-                    out.append((id(node), tuple(node.shape), node.dtype))
-                else:
-                    out.append((id(node), node.detach().clone(), node.data_ptr(), node._version))
             else:
-                out.append((id(node), repr(node)))
+                out.append((id(node), _leaf_record(node)))
         return out
 
     def unchanged(self) -> bool:
-        now = self._take(self.tree)
-        if len(now) != len(self.record):
-            return False
-        for old, new in zip(self.record, now, strict=True):
-            if len(old) != len(new):
-                return False
-            for x, y in zip(old, new, strict=True):
-                if isinstance(x, torch.Tensor):
-                    if not torch.equal(x, y):
-                        return False
-                elif x != y:
-                    return False
-        return True
+        return self._take(self.tree) == self.record
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+
+
+def _leaf_record(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        if node.device.type == "meta":
+            return ("meta", tuple(node.shape), node.dtype, node._version)
+        dense = node.detach().to_dense() if node.layout != torch.strided else node.detach()
+        # repr of the values: NaN compares equal to itself, unlike torch.equal
+        return (
+            "tensor",
+            node._version,
+            _data_ptr(node),
+            node.dtype,
+            tuple(node.shape),
+            repr(dense.tolist()),
+        )
+    if isinstance(node, (bytearray, set)):  # bounded repr: a set may hold a 1,000-deep tuple
+        return ("mutable", _SHORT.repr(node), len(node))
+    return ("leaf", type(node))
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:  # sparse and other layouts without one storage
+        return None

@@ -344,57 +344,6 @@ _short = reprlib.Repr()
 _short.maxlevel = 3
 
 
-def _leaf_record(node: Any) -> Any:
-    if isinstance(node, torch.Tensor):
-        if node.device.type == "meta":
-            return ("meta", tuple(node.shape), node.dtype, node._version)
-        dense = node.detach().to_dense() if node.layout != torch.strided else node.detach()
-        return ("tensor", node._version, node.dtype, tuple(node.shape), repr(dense.tolist()))
-    if isinstance(node, (bytearray, set)):
-        return ("mutable", _short.repr(node), len(node))
-    return ("leaf", type(node))
-
-
-class DeepSnapshot:
-    """A record of every container reachable from ``tree`` (cycles and any depth allowed).
-
-    Records container identity, type, keys and value identities in order, and
-    tensor version and contents, so any mutation (a key added or removed, a value
-    replaced, a list appended to, tensor data written) makes :meth:`unchanged`
-    false.
-    """
-
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
-        self.record = self._take(tree)
-
-    @staticmethod
-    def _take(tree: Any) -> list[Any]:
-        out: list[Any] = []
-        seen: set[int] = set()
-        stack = [tree]
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if isinstance(node, Mapping):
-                items = list(node.items())
-                out.append((id(node), type(node), [(id(k), id(v)) for k, v in items]))
-                for k, v in items:
-                    stack.append(k)
-                    stack.append(v)
-            elif isinstance(node, (list, tuple)):
-                out.append((id(node), type(node), [id(v) for v in node]))
-                stack.extend(node)
-            else:
-                out.append((id(node), _leaf_record(node)))
-        return out
-
-    def unchanged(self) -> bool:
-        return self._take(self.tree) == self.record
-
-
 # -- an independent oracle for flatten -----------------------------------------------------
 
 

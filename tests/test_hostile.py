@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from calls import CALLS
-from hostile import DeepSnapshot, expected_flat_leaves, hostile_cases, hostile_pairs
+from conftest import Snapshot
+from hostile import expected_flat_leaves, hostile_cases, hostile_pairs
 from hypothesis import given
 
 import dsdmerge as dm
@@ -46,7 +47,7 @@ KEEP = dm.Policy(shape="ignore")  # merge everything that can be merged, keep un
 def escapes(a: Any, b: Any) -> list[str]:
     """Call every public function on (a, b); return what went wrong (empty when nothing did)."""
     problems = []
-    snapshots = DeepSnapshot(a), DeepSnapshot(b)
+    snapshots = Snapshot(a), Snapshot(b)
     for name, call in CALLS.items():
         try:
             call(a, b)
@@ -361,7 +362,7 @@ def test_ten_thousand_deep_nesting_through_every_function():
     while "leaf" not in node:
         node = next(iter(node.values()))
     node["new"] = deep_dicts(10_000, 1)  # a 10,000-deep subtree to backfill
-    snapshots = [DeepSnapshot(x) for x in (c, r, r_more)]
+    snapshots = [Snapshot(x) for x in (c, r, r_more)]
     assert dm.classify(c) is dm.Layout.NESTED
     flat = dm.flatten(c)
     [(key, value)] = flat.items()
@@ -383,7 +384,7 @@ def test_ten_thousand_deep_nested_optimizer_state():
     # Shampoo-like nested state, 10,000 levels down
     c = osd([{"lr": 0.1, "params": ["w"]}], {"w": deep_dicts(10_000, torch.zeros(1))})
     r = osd([{"lr": 0.2, "params": ["w", "v"]}], {"w": deep_dicts(10_000, torch.zeros(1))})
-    snapshots = DeepSnapshot(c), DeepSnapshot(r)
+    snapshots = Snapshot(c), Snapshot(r)
     out = dm.merge(c, r)
     assert dm.flatten(out).keys() == dm.flatten(c).keys() | dm.flatten(r).keys()
     assert out["param_groups"][0]["lr"] == 0.1
