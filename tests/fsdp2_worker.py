@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import sys
 import time
 import traceback
 import warnings
@@ -181,9 +183,18 @@ def run(rank: int, port: int, phase: str, out: str) -> None:
         result = {"ok": True, **body(Path(out))}
         result["seconds"] = {"init": ready - start, "body": time.monotonic() - ready}
         result["started_at"] = time.time()
+        dist.barrier()  # neither rank tears down while the other may still talk to it
     except BaseException:
         result = {"ok": False, "error": traceback.format_exc()}
         raise
     finally:
         Path(out, f"{phase}_rank_{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
+    # The rank's work is done and reported. Leave without interpreter finalization: FSDP2's
+    # device mesh keeps the gloo group alive past destroy_process_group, and destroying its
+    # C++ worker threads during finalization can abort (SIGABRT, "terminate called without an
+    # active exception"; seen once in ~10 CI runs, pytorch/pytorch#179291 describes the race).
+    # That is torch teardown, not the behaviour under test, so it must not decide the result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

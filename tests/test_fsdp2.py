@@ -27,6 +27,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _report(out, phase: str, rank: int) -> str:
+    path = out / f"{phase}_rank_{rank}.json"
+    return path.read_text()[:2000] if path.exists() else "(none written)"
+
+
 def run_phase(phase: str, out) -> list[dict]:
     from fsdp2_worker import WORLD, run
 
@@ -44,6 +49,11 @@ def run_phase(phase: str, out) -> list[dict]:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 pytest.fail(f"FSDP2 phase {phase!r} did not finish within {PHASE_DEADLINE:.0f} s")
+    except mp.ProcessExitedException as err:
+        # Say what each rank reported before it died: a failure in the body and a crash in
+        # torch's teardown call for different fixes.
+        reports = {r: _report(out, phase, r) for r in range(WORLD)}
+        pytest.fail(f"FSDP2 phase {phase!r}: {err}; rank reports: {reports}")
     finally:
         for process in context.processes:
             if process.is_alive():
