@@ -122,21 +122,29 @@ def phase_resume(out: Path) -> dict[str, Any]:
     assert not look.unexpected
     assert not look.mismatched
 
+    def resume_and_check(
+        model: Any, optim: Any, schedule: Any, model_sd: Any, optim_sd: Any
+    ) -> Any:
+        """Resume both strictly (the indexer may be missing), compare, train a step; the diff."""
+        resume_model(model, model_sd, policy="strict")
+        diff = resume_optimizer(
+            model, optim, optim_sd, options=FLAT, policy="strict", allow_missing="state.indexer.*"
+        )
+        same_local(saved_model, get_model_state_dict(model), list(saved_model))
+        same_local(saved_optim, get_optimizer_state_dict(model, optim, options=FLAT), state_keys)
+        assert [g["lr"] for g in optim.param_groups] == [lr, lr]
+        train(model, optim, schedule, steps=1)
+        return diff
+
     # verl style: this rank's own files
-    resume_model(model, load_checkpoint(out / f"model_world_size_{WORLD}_rank_{rank}.pt"))
-    diff = resume_optimizer(
+    diff = resume_and_check(
         model,
         optim,
+        schedule,
+        load_checkpoint(out / f"model_world_size_{WORLD}_rank_{rank}.pt"),
         load_checkpoint(out / f"optim_world_size_{WORLD}_rank_{rank}.pt"),
-        options=FLAT,
-        policy="strict",
-        allow_missing="state.indexer.*",
     )
-    same_local(saved_model, get_model_state_dict(model), list(saved_model))
-    same_local(saved_optim, get_optimizer_state_dict(model, optim, options=FLAT), state_keys)
-    assert [g["lr"] for g in optim.param_groups] == [lr, lr]
     report["verl_missing"] = len(diff.missing)
-    train(model, optim, schedule, steps=1)
 
     # torchtitan style: DCP, checked against the policy first, loaded in place
     model, optim, schedule = build()
@@ -147,20 +155,8 @@ def phase_resume(out: Path) -> dict[str, Any]:
     loaded, diff = load_dcp(
         out / "dcp", target, policy="strict", allow_missing="optim.state.indexer.*"
     )
-    resume_model(model, loaded["model"], policy="strict")
-    resume_optimizer(
-        model,
-        optim,
-        loaded["optim"],
-        options=FLAT,
-        policy="strict",
-        allow_missing="state.indexer.*",
-    )
-    same_local(saved_model, get_model_state_dict(model), list(saved_model))
-    same_local(saved_optim, get_optimizer_state_dict(model, optim, options=FLAT), state_keys)
-    assert [g["lr"] for g in optim.param_groups] == [lr, lr]
+    resume_and_check(model, optim, schedule, loaded["model"], loaded["optim"])
     report["dcp_missing"] = len(diff.missing)
-    train(model, optim, schedule, steps=1)
     return report
 
 
