@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from helpers import Evil, dcp_save
 
 import dsdmerge as dm
 from dsdmerge.integrations import (
@@ -19,22 +18,6 @@ from dsdmerge.integrations import (
     load_checkpoint,
     read_metadata,
 )
-
-
-def dcp_save(sd, path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-        dcp.save(sd, checkpoint_id=str(path))
-
-
-class Evil:
-    """Unpickling this runs code: it writes ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
 
 
 def nested_sd() -> dict:

@@ -9,12 +9,11 @@ import os
 import pickle
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from helpers import Evil, dcp_save
 
 from dsdmerge import cli
 
@@ -73,22 +72,6 @@ def checkpoint_sd() -> dict[str, torch.Tensor]:
     }
     sd["ema.decay"] = torch.tensor(0.99)
     return sd
-
-
-def dcp_save(sd, path: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, checkpoint_id=str(path))
-
-
-class Evil:
-    """Unpickling this runs code: it creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
 
 
 @pytest.fixture(scope="module")

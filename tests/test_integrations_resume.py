@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from conftest import Snapshot
+from helpers import Grown, dcp_save
 from optimizers import ShampooLike
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -45,18 +44,6 @@ def assert_state_equal(saved: dict, resumed: dict, keys=None) -> None:
             assert resumed[key].dtype == value.dtype, key
         else:
             assert resumed[key] == value, key
-
-
-class Grown(TinyModel):
-    """TinyModel plus a new head registered first, so its params lead their groups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.new_head = nn.Linear(8, 16)
-        self._modules = {"new_head": self._modules.pop("new_head"), **self._modules}
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().forward(tokens) + self.new_head(self.embed(tokens))
 
 
 @pytest.fixture(scope="module")
@@ -387,12 +374,6 @@ def test_int_keyed_model_growth_is_refused_naming_the_group(saved):
 
 # --------------------------------------------------------------------------------------
 # DCP: policy first, scoped partial load
-
-
-def dcp_save(sd, path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, checkpoint_id=str(path))
 
 
 @pytest.fixture

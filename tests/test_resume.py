@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Grown
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -83,19 +84,6 @@ def test_strict_without_the_allow_list_names_the_indexer(checkpoint):
         match=r"'state\.indexer\.proj\.\{bias,weight\}\.\{exp_avg,exp_avg_sq,step\}' \(6 keys\)",
     ):
         dm.merge(loaded["optim"], reference, policy="strict")
-
-
-class Grown(TinyModel):
-    """TinyModel plus a new head registered first, so its params lead their groups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.new_head = nn.Linear(8, 16)
-        # move new_head to the front of the parameter order
-        self._modules = {"new_head": self._modules.pop("new_head"), **self._modules}
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().forward(tokens) + self.new_head(self.embed(tokens))
 
 
 def test_new_param_first_in_its_group_keeps_the_scheduled_lr(checkpoint):
