@@ -709,7 +709,10 @@ class _PgTable:
         templates: list[tuple[int, int]] = []  # (first row, mask of the rows like it)
         while left:
             if len(templates) == 64:  # too many distinct rows for masks: freeze every row
-                return self._groups_by_row()
+                return _equal_hyperparameters(
+                    (i, zip(self.names, self.values[i * k : i * k + k], strict=True))
+                    for i in range(n_rows)
+                )
             t = ((left & -left).bit_length() - 1) // 8
             mask = left
             for column in columns:
@@ -722,20 +725,6 @@ class _PgTable:
             signature = tuple((name, freeze(v)) for name, v in zip(self.names, row, strict=True))
             masks[signature] = masks.get(signature, 0) | mask
         return [list(compress(count(), mask.to_bytes(n_rows, "little"))) for mask in masks.values()]
-
-    def _groups_by_row(self) -> list[list[int]]:
-        k = len(self.names)
-        by_signature: dict[Any, list[int]] = {}
-        frozen: dict[int, Any] = {}
-        for i in range(len(self.fqns)):
-            signature = []
-            for name, v in zip(self.names, self.values[i * k : i * k + k], strict=True):
-                f = frozen.get(id(v), MISSING)
-                if f is MISSING:
-                    f = frozen[id(v)] = freeze(v)
-                signature.append((name, f))
-            by_signature.setdefault(tuple(signature), []).append(i)
-        return list(by_signature.values())
 
     def resolve(
         self,
@@ -754,26 +743,11 @@ class _PgTable:
         else:
             row_of = dict(zip(self.fqns, count()))
             rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
-        merged = outcome.merged
-        if backfilled and merged is not None:
-            group_of = {self.fqns[i]: index for index, members in enumerate(rows) for i in members}
-            n = len(PG_PREFIX)
-            found_values: dict[tuple[int, str], Any] = {}
-            for key in backfilled:
-                fqn, _, name = key[n:].rpartition(".")
-                index = group_of.get(fqn)
-                if index is None:
-                    continue
-                value = found_values.get((index, name), found_values)
-                if value is found_values:  # first backfill of this group and name: scan once
-                    value = MISSING
-                    for i in rows[index]:
-                        value = c.get(f"{PG_PREFIX}{self.fqns[i]}.{name}", MISSING)
-                        if value is not MISSING:
-                            break
-                    found_values[index, name] = value
-                if value is not MISSING:
-                    merged[key] = value
+        if backfilled and outcome.merged is not None:
+            fqns = self.fqns
+            _backfill_from_groups(
+                c, outcome.merged, backfilled, [[fqns[i] for i in members] for members in rows]
+            )
         if not conflicts:
             return
         if c_at_r is None:
@@ -794,20 +768,71 @@ class _PgTable:
                     if first is None:
                         first = (at, value)
                     elif not same_value(first[1], value):
-                        found.append(
-                            (
-                                at,
-                                j,
-                                f"param group {index}{inferred}: checkpoint members disagree on "
-                                f"{name!r}: {self.fqns[members[first[0]]]} has "
-                                f"{short_repr(first[1])}, {self.fqns[members[at]]} has "
-                                f"{short_repr(value)}; torch keeps the first member's value "
-                                "for the whole group",
-                            )
+                        text = _conflict(
+                            f"{index}{inferred}",
+                            name,
+                            (self.fqns[members[first[0]]], first[1]),
+                            (self.fqns[members[at]], value),
                         )
+                        found.append((at, j, text))
                         break
             found.sort(key=itemgetter(0, 1))
             outcome.conflicts.extend(text for _, _, text in found)
+
+
+def _equal_hyperparameters(rows: Iterable[tuple[Any, Iterable[tuple[str, Any]]]]) -> list[Any]:
+    """Group row ids by equal ``(hyperparameter, value)`` rows, in order of first appearance.
+
+    Parameters of one group share their value objects, so each object is frozen once.
+    """
+    frozen: dict[int, Any] = {}
+    by_signature: dict[Any, list[Any]] = {}
+    for row, pairs in rows:
+        signature = []
+        for name, v in pairs:
+            f = frozen.get(id(v), MISSING)
+            if f is MISSING:
+                f = frozen[id(v)] = freeze(v)
+            signature.append((name, f))
+        by_signature.setdefault(tuple(signature), []).append(row)
+    return list(by_signature.values())
+
+
+def _backfill_from_groups(
+    c: Mapping[str, Any], merged: dict[str, Any], backfilled: list[str], groups: list[list[str]]
+) -> None:
+    """Give each backfilled ``param_groups.*`` key the value of its group's first member in ``c``.
+
+    ``groups`` are lists of fqns; a key keeps the reference's value when no member of its
+    group has one in the checkpoint. Each group and hyperparameter is scanned once.
+    """
+    group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
+    n = len(PG_PREFIX)
+    found: dict[tuple[int, str], Any] = {}  # (group, hyperparameter) -> checkpoint value
+    for key in backfilled:
+        fqn, _, name = key[n:].rpartition(".")
+        index = group_of.get(fqn)
+        if index is None:
+            continue
+        value = found.get((index, name), found)
+        if value is found:  # first backfilled key of this group and name: scan the group once
+            value = MISSING
+            for member in groups[index]:
+                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
+                if value is not MISSING:
+                    break
+            found[index, name] = value
+        if value is not MISSING:
+            merged[key] = value
+
+
+def _conflict(group: str, name: str, first: tuple[str, Any], other: tuple[str, Any]) -> str:
+    """The report of two checkpoint members of a param group that disagree on ``name``."""
+    return (
+        f"param group {group}: checkpoint members disagree on {name!r}: {first[0]} has "
+        f"{short_repr(first[1])}, {other[0]} has {short_repr(other[1])}; "
+        "torch keeps the first member's value for the whole group"
+    )
 
 
 def _parse_groups(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -850,36 +875,9 @@ def _group_hyperparameters(
     r_hyper, r_keys = _parse_groups(r)
     inferred = " (inferred)" if groups is None else ""
     if groups is None:
-        # parameters of one group share their value objects: freeze each object once
-        frozen: dict[int, Any] = {}
-        by_signature: dict[Any, list[str]] = {}
-        for fqn, values in r_hyper.items():
-            signature = []
-            for name, v in values.items():
-                f = frozen.get(id(v), MISSING)
-                if f is MISSING:
-                    f = frozen[id(v)] = freeze(v)
-                signature.append((name, f))
-            by_signature.setdefault(tuple(signature), []).append(fqn)
-        groups = list(by_signature.values())
-    group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
-    merged = outcome.merged
-    n = len(PG_PREFIX)
-    found: dict[tuple[int, str], Any] = {}  # (group, hyperparameter) -> checkpoint value
-    for key in backfilled:
-        fqn, _, name = key[n:].rpartition(".")
-        index = group_of.get(fqn)
-        if index is None or merged is None:
-            continue
-        value = found.get((index, name), found)
-        if value is found:  # first backfilled key of this group and name: scan the group once
-            for member in groups[index]:
-                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
-                if value is not MISSING:
-                    break
-            found[index, name] = value
-        if value is not MISSING:
-            merged[key] = value
+        groups = _equal_hyperparameters((fqn, values.items()) for fqn, values in r_hyper.items())
+    if backfilled and outcome.merged is not None:
+        _backfill_from_groups(c, outcome.merged, backfilled, groups)
     if not conflicts:
         return
     c_get = c.get
@@ -900,10 +898,7 @@ def _group_hyperparameters(
                 elif first[1] is not value and not same_value(first[1], value):
                     reported.add(name)
                     outcome.conflicts.append(
-                        f"param group {index}{inferred}: checkpoint members disagree on "
-                        f"{name!r}: {first[0]} has {short_repr(first[1])}, {member} has "
-                        f"{short_repr(value)}; "
-                        "torch keeps the first member's value for the whole group"
+                        _conflict(f"{index}{inferred}", name, first, (member, value))
                     )
 
 
