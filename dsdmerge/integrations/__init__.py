@@ -25,6 +25,7 @@ from dsdmerge.integrations.checkpoints import (
 from dsdmerge.integrations.resume import (
     DCPLoad,
     Fresh,
+    backfill_optimizer_state,
     load_dcp,
     resume_model,
     resume_optimizer,
@@ -40,6 +41,7 @@ __all__ = [
     # Resuming
     "DCPLoad",
     "Fresh",
+    "backfill_optimizer_state",
     "load_dcp",
     "resume_model",
     "resume_optimizer",

@@ -1,48 +1,63 @@
-"""One call per resume: merge a loaded checkpoint over a fresh reference and load it.
+"""One call per resume: merge a loaded checkpoint over what you have now, then load it.
 
 The calls a trainer makes where it used to call ``set_optimizer_state_dict`` /
 ``model.load_state_dict`` / ``dcp.load``:
 
-* :func:`resume_optimizer`: builds the reference with torch's
-  ``get_optimizer_state_dict`` (same ``StateDictOptions``), merges the loaded
-  optimizer state dict over it under a policy, loads the result with
-  ``set_optimizer_state_dict`` (or ``Optimizer.load_state_dict`` for a plain
-  ``optimizer.state_dict()`` with int ids) and returns the
+* :func:`resume_optimizer`: merges a loaded optimizer state dict (flattened or
+  nested DSD, or a plain ``optimizer.state_dict()``) over the state the live
+  optimizers accept, applies the policy, and loads the result into each optimizer
+  with its own ``Optimizer.load_state_dict``; returns the
   :class:`~dsdmerge.KeyDiff`.
+* :func:`backfill_optimizer_state`: the same merge for a trainer's own load hook
+  (verl's ``_backfill_optimizer_state(self, state_dict) -> dict``): it returns the
+  dict to pass to ``optimizer.load_state_dict`` instead of loading it.
 * :func:`resume_model`: the same for a model state dict, loaded strictly.
 * :func:`load_dcp`: a DCP directory loaded like ``dcp.load``, but only after its
   metadata was checked against the state dict under the policy, partially only
   when the policy accepted exactly what is missing, and without running pickled
   code.
 
+Nothing changes before the verdict
+----------------------------------
+The reference the checkpoint is merged over is built from the optimizers' own
+``state_dict()`` and the checkpoint (see :mod:`dsdmerge.integrations._optim`):
+no optimizer step is taken and no parameter is touched, so a refused resume
+leaves the model and the optimizers exactly as they were. (DSD's
+``get_optimizer_state_dict`` takes a real ``step()`` with zero gradients to build
+its reference; on an optimizer container that step runs at the real learning rate.)
+
 Fresh state, explicit
 ---------------------
-A DSD reference comes from ``_init_optim_state``: one optimizer step with zero
-gradients and ``lr=0``, so a backfilled Adam state has ``step == 1`` and zero
-moments. ``fresh="reference"`` (the default, what verl does) backfills that.
-``fresh="as_fresh"`` leaves a parameter whose whole state is absent from the
-checkpoint without state, so the optimizer initialises it lazily on its next
-step, exactly as a never-checkpointed optimizer would (bit for bit). A
-parameter with *some* state in the checkpoint always gets the rest from the
-reference.
+``fresh="as_fresh"`` (the default) leaves a parameter without checkpointed state
+without state, so the optimizer initialises it lazily on its next step, exactly
+as an optimizer that never saw a checkpoint would (bit for bit).
+``fresh="reference"`` gives it what DSD's zero-gradient step would (Adam:
+``step == 1``, and with L2 ``weight_decay`` non-zero moments), computed on a
+throwaway copy of the optimizer (one copy of the parameters, briefly). A
+parameter with *some* state in the checkpoint keeps all of it, and gets the
+fields it lacks from the live optimizer (or, with ``"reference"``, from that step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from dsdmerge._engine import copy_tree, run
 from dsdmerge.diff import KeyDiff
-from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.flatten import split_param_key, unflatten
+from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
+from dsdmerge.flatten import flatten, unflatten
+from dsdmerge.integrations._optim import (
+    Slots,
+    init_state,
+    leaf_optimizers,
+)
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
     STATE,
-    STATE_PREFIX,
     Layout,
     classify,
     is_optimizer_state_dict,
@@ -57,16 +72,23 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-__all__ = ["DCPLoad", "Fresh", "load_dcp", "resume_model", "resume_optimizer"]
+__all__ = [
+    "DCPLoad",
+    "Fresh",
+    "backfill_optimizer_state",
+    "load_dcp",
+    "resume_model",
+    "resume_optimizer",
+]
 
 Fresh = Literal["reference", "as_fresh"]
 """How a parameter without checkpointed optimizer state resumes (see the module docstring)."""
 
 _FRESH: tuple[Fresh, ...] = ("reference", "as_fresh")
-
+_PARAM_NAMES = "param_names"
 
 def resume_optimizer(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     loaded: Mapping[Any, Any],
     /,
@@ -75,43 +97,45 @@ def resume_optimizer(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
-    fresh: Fresh = "reference",
+    fresh: Fresh = "as_fresh",
 ) -> KeyDiff:
-    """Load a checkpoint's optimizer state into ``optimizers``, merged over their fresh state.
+    """Load a checkpoint's optimizer state into ``optimizers``, merged over what they accept.
 
-    Builds the reference with ``get_optimizer_state_dict(model, optimizers,
-    options=options)``, merges ``loaded`` over it with :func:`dsdmerge.merge`
-    (unexpected keys are left out: no parameter would take them), and loads
-    the result with ``set_optimizer_state_dict``. ``loaded`` may be flattened
-    (``flatten_optimizer_state_dict=True``) or nested, fqn-keyed (DSD), or a
-    plain ``optimizer.state_dict()`` with int ids (then loaded with
-    ``Optimizer.load_state_dict``, one optimizer only). Several optimizers on one
-    model share one fqn-keyed state dict, as DSD builds it; each takes its own
-    parameters' state and groups.
+    ``loaded`` may be flattened (``flatten_optimizer_state_dict=True``) or nested
+    DSD state (fqn-keyed), or a plain ``optimizer.state_dict()`` (int ids; one
+    optimizer). ``optimizers`` may be one optimizer, several (they share one
+    fqn-keyed state dict, as DSD builds it), or a container holding several
+    (torchtitan's ``OptimizersContainer``, VeOmni's ``MultiOptimizer``).
 
-    The merged state is loaded in DSD's nested form whatever ``options``
-    says about flattening (so torch's flattened-load crash on parameters without
-    state cannot happen); the other options apply as given, except that
-    ``strict`` is turned off for ``fresh="as_fresh"`` (parameters left without
-    state on purpose). Does not modify ``loaded``; as with
-    ``Optimizer.load_state_dict``, the optimizers take the checkpoint's tensors
-    as their state (later steps update them in place).
+    Every checkpoint value of a parameter that still exists is kept, state fields
+    the optimizer would not create included (``Optimizer.load_state_dict`` keeps
+    them too), as are optimizer-level entries and extra top-level keys; only the
+    state of parameters that no longer exist is left out, and reported as
+    unexpected. A backfilled hyperparameter takes its param group's checkpoint
+    value. The policy decides before anything changes: a refusal leaves the model
+    and the optimizers exactly as they were (no optimizer step is taken to build
+    the reference). Each optimizer then loads its part with its own
+    ``Optimizer.load_state_dict``, or with DSD's ``set_optimizer_state_dict``
+    when ``options`` ask for full state dicts or the model has FSDP1 modules. As
+    with ``Optimizer.load_state_dict``, the optimizers take the checkpoint's
+    tensors as their state. Does not modify ``loaded``.
 
     Args:
-        model: The model the optimizers optimize.
-        optimizers: One optimizer or several.
+        model: The model the optimizers optimize (or a list of model parts).
+        optimizers: One optimizer, several, or an optimizer container.
         loaded: The optimizer state dict read from the checkpoint.
-        options: The ``StateDictOptions`` used to save it (``None``: defaults).
+        options: The ``StateDictOptions`` it was saved with (``None``: defaults);
+            they matter for the load only (full state dicts, broadcast).
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: Globs over flat keys the checkpoint may lack, e.g.
             ``"state.indexer.*"``.
         allow_unexpected: Globs over flat keys the optimizers may lack.
-        fresh: ``"reference"`` backfills parameters without checkpointed state
-            from DSD's zero-gradient step (``step == 1``); ``"as_fresh"`` leaves
-            them without state, to initialise exactly like a new optimizer.
+        fresh: ``"as_fresh"`` (default) leaves parameters without checkpointed
+            state without state, to start exactly like a new optimizer;
+            ``"reference"`` gives them DSD's zero-gradient state (``step == 1``).
 
     Returns:
-        The :class:`~dsdmerge.KeyDiff` of ``loaded`` against the reference.
+        The :class:`~dsdmerge.KeyDiff` of ``loaded`` against what the optimizers accept.
 
     Raises:
         MergeError: The policy rejects a difference (nothing was loaded).
@@ -131,38 +155,321 @@ def resume_optimizer(
         >>> optim.param_groups[0]["lr"]
         0.5
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
+    plan = _plan(
+        model, optimizers, loaded, policy, allow_missing, allow_unexpected, fresh, stacklevel=5
     )
-    from torch.optim import Optimizer
+    _load(plan, model, options)
+    return plan.diff
 
-    optims = (optimizers,) if isinstance(optimizers, Optimizer) else tuple(optimizers)
-    if not optims or not all(isinstance(o, Optimizer) for o in optims):
-        raise StateDictTypeError(
-            "optimizers must be a torch.optim.Optimizer or a non-empty iterable of them"
+
+def backfill_optimizer_state(
+    loaded: Mapping[Any, Any],
+    optimizer: torch.optim.Optimizer,
+    /,
+    *,
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+    policy: str | Policy = "default",
+    allow_missing: str | Iterable[str] = (),
+    allow_unexpected: str | Iterable[str] = (),
+    fresh: Fresh = "as_fresh",
+) -> dict[Any, Any]:
+    """The state dict to pass to ``optimizer.load_state_dict``: ``loaded``, merged and checked.
+
+    For a trainer's load hook, between ``torch.load`` and
+    ``optimizer.load_state_dict`` (verl's ``_backfill_optimizer_state(self,
+    state_dict) -> dict``): the same merge and policy as
+    :func:`resume_optimizer`, without loading anything::
+
+        def _backfill_optimizer_state(self, state_dict):
+            return backfill_optimizer_state(state_dict, self.optimizer, model=self.model,
+                                            policy="strict", allow_missing=["state.*indexer*"])
+
+    * A plain optimizer: the result is an int-keyed ``optimizer.state_dict()``
+      in the optimizer's own parameter order, whatever ``loaded`` was
+      (fqn-keyed state needs ``model``).
+    * An optimizer container whose ``load_state_dict`` goes through DSD's
+      flattened ``set_optimizer_state_dict`` (torchtitan's
+      ``OptimizersContainer``, VeOmni's ``MultiOptimizer``): the result is that
+      flattened form, complete, as DSD needs it; DSD then gives every parameter
+      state, so only ``fresh="reference"`` can be honoured (the default raises,
+      saying so; :func:`resume_optimizer` starts parameters fresh with containers
+      too).
+
+    Nothing changes before the verdict, and nothing is loaded. Does not modify
+    its inputs.
+
+    Args:
+        loaded: The optimizer state dict read from the checkpoint.
+        optimizer: The live optimizer (or container) that will load the result.
+        model: The model (or model parts); needed for fqn-keyed state.
+        policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
+        allow_missing: Globs over flat keys the checkpoint may lack.
+        allow_unexpected: Globs over flat keys the optimizer may lack.
+        fresh: ``"as_fresh"`` or ``"reference"`` (see :func:`resume_optimizer`).
+
+    Returns:
+        A new state dict for ``optimizer.load_state_dict``.
+
+    Raises:
+        MergeError: The policy rejects a difference.
+        InvalidPolicyError: ``fresh="as_fresh"`` with a DSD-loading container.
+        StateDictTypeError: Fqn-keyed ``loaded`` without ``model``.
+
+    Example:
+        >>> import torch
+        >>> from dsdmerge.integrations import backfill_optimizer_state
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> saved = {"state": {0: {"momentum_buffer": torch.ones(1, 2)}},
+        ...          "param_groups": [{**optim.param_groups[0], "lr": 0.5, "params": [0, 1]}]}
+        >>> sd = backfill_optimizer_state(saved, optim)
+        >>> optim.load_state_dict(sd)
+        >>> optim.param_groups[0]["lr"], sorted(optim.state_dict()["state"])
+        (0.5, [0])
+    """
+    from dsdmerge.integrations._optim import _inner
+
+    container = _inner(optimizer) is not None
+    if container and fresh == "as_fresh":
+        raise InvalidPolicyError(
+            f"{type(optimizer).__name__} loads through DSD's flattened set_optimizer_state_dict, "
+            "which gives every parameter optimizer state, so parameters cannot start fresh "
+            "that way: pass fresh='reference' (DSD's zero-gradient state), or load with "
+            "resume_optimizer(model, optimizer, loaded), which starts them fresh."
         )
+    plan = _plan(
+        model, optimizer, loaded, policy, allow_missing, allow_unexpected, fresh, stacklevel=5
+    )
+    if container:
+        return flatten(_fqn_keyed(plan))
+    if len(plan.dicts) != 1:
+        raise LayoutError(
+            f"{len(plan.dicts)} optimizers were found behind {type(optimizer).__name__}, whose "
+            "load_state_dict dsdmerge does not know how to feed; use resume_optimizer"
+        )
+    return plan.dicts[0]
+
+
+# --------------------------------------------------------------------------------------
+# the plan: everything decided before anything changes
+
+
+@dataclasses.dataclass
+class _Plan:
+    slots: Slots
+    dicts: list[dict[Any, Any]]  # one optimizer.state_dict() per leaf optimizer
+    diff: KeyDiff
+
+
+def _plan(
+    model: Any,
+    optimizers: Any,
+    loaded: Mapping[Any, Any],
+    policy: str | Policy,
+    allow_missing: str | Iterable[str],
+    allow_unexpected: str | Iterable[str],
+    fresh: str,
+    *,
+    stacklevel: int,
+) -> _Plan:
     require_mapping(loaded, "loaded")
-    pol = _resume_policy(policy, allow_missing, allow_unexpected, fresh)
-    if _int_keyed(loaded):
-        return _resume_int_keyed(model, optims, loaded, pol, fresh)
-    nested = dataclasses.replace(options or StateDictOptions(), flatten_optimizer_state_dict=False)
-    reference = get_optimizer_state_dict(model, optims, options=nested)
-    merged = _merge(loaded, reference, pol, (), (), stacklevel=4)
-    state_dict = merged.state_dict
-    if classify(state_dict) is Layout.FLAT:
-        state_dict = unflatten(state_dict, like=reference)
+    if fresh not in _FRESH:
+        raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
+    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    pol = dataclasses.replace(pol, drop_unexpected=False)  # nothing a parameter has is dropped
+    opts = leaf_optimizers(optimizers)
+    checkpoint = _nested(loaded)
+    keyed = "id" if _id_keyed(checkpoint) else "fqn"
+    if keyed == "fqn" and model is None:
+        raise StateDictTypeError(
+            "loaded is keyed by fqns (get_optimizer_state_dict): pass model= so that they can "
+            "be matched to the optimizer's parameters"
+        )
+    if keyed == "id" and len(opts) != 1:
+        raise LayoutError(
+            f"loaded is a plain optimizer.state_dict() (int param ids), which holds one "
+            f"optimizer, but {len(opts)} optimizers were given; resume each with its own "
+            "state dict, or save fqn-keyed state with get_optimizer_state_dict."
+        )
+    slots = Slots.of(opts, model, keyed=keyed)
+    if keyed == "id":
+        checkpoint = _to_live_ids(checkpoint, slots)
+    checkpoint = _without_param_names(checkpoint)
+    init = init_state(slots) if fresh == "reference" else None
+    reference = _without_param_names(slots.reference(checkpoint, init=init))
+    merged = _merge(checkpoint, reference, pol, (), (), stacklevel=stacklevel)
+    state = merged.state_dict
+    keep: set[Any] | None = None
     if fresh == "as_fresh":
-        without = _params_without_state(loaded, cast(Mapping[Any, Any], reference[STATE]))
-        if without:
-            state_dict = {
-                **state_dict,
-                STATE: {k: v for k, v in state_dict[STATE].items() if k not in without},
+        c_state = checkpoint[STATE]
+        live = slots.live_state()
+        keep = {k for k in slots.every_key() if k in c_state or k in live}
+    return _Plan(slots, slots.load_dicts(state, keep=keep), merged.diff)
+
+
+def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
+    """Load each optimizer's part (the verdict has been given)."""
+    if _needs_dsd(model, options):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        opts = dataclasses.replace(
+            options or StateDictOptions(), flatten_optimizer_state_dict=False, strict=False
+        )
+        for o, sd in zip(plan.slots.optims, _fqn_keyed_each(plan), strict=True):
+            set_optimizer_state_dict(model, o.optimizer, sd, options=opts)
+        return
+    for o, sd in zip(plan.slots.optims, plan.dicts, strict=True):
+        o.optimizer.load_state_dict(sd)
+
+
+def _needs_dsd(model: Any, options: StateDictOptions | None) -> bool:
+    """Whether loading must go through DSD: full state dicts to shard, or FSDP1 modules."""
+    if options is not None and (options.full_state_dict or options.broadcast_from_rank0):
+        return True
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return False
+    import torch
+
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model or ())
+    return any(FSDP.fsdp_modules(part) for part in parts)
+
+
+def _fqn_keyed_each(plan: _Plan) -> list[dict[Any, Any]]:
+    """Each optimizer's load dict with its int ids replaced by slot keys (fqns)."""
+    out = []
+    for o, sd in zip(plan.slots.optims, plan.dicts, strict=True):
+        to_key: dict[Any, Any] = {}
+        for ids, keys in zip(o.ids, o.keys, strict=True):
+            to_key.update(zip(ids, keys, strict=True))
+        out.append(
+            {
+                **{k: v for k, v in sd.items() if k not in (STATE, PARAM_GROUPS)},
+                STATE: {to_key.get(k, k): v for k, v in sd[STATE].items()},
+                PARAM_GROUPS: [
+                    {**g, PARAMS: [to_key[i] for i in g[PARAMS]]} for g in sd[PARAM_GROUPS]
+                ],
             }
-            nested = dataclasses.replace(nested, strict=False)
-    set_optimizer_state_dict(model, optims, state_dict, options=nested)
-    return merged.diff
+        )
+    return out
+
+
+def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
+    """All optimizers' load dicts as one fqn-keyed DSD state dict."""
+    state: dict[Any, Any] = {}
+    groups: list[Any] = []
+    for sd in _fqn_keyed_each(plan):
+        state.update(sd[STATE])
+        groups.extend({k: v for k, v in g.items() if k != _PARAM_NAMES} for g in sd[PARAM_GROUPS])
+    return {STATE: state, PARAM_GROUPS: groups}
+
+
+# --------------------------------------------------------------------------------------
+# the checkpoint, as the merge sees it
+
+
+def _nested(loaded: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``loaded`` as a nested optimizer state dict (a flattened one unflattened by DSD's rules)."""
+    if classify(loaded) is Layout.FLAT:
+        nested = unflatten(loaded)
+        if not is_optimizer_state_dict(nested):
+            raise LayoutError(
+                "loaded is flat but not a flattened optimizer state dict (its keys are not all "
+                "'state.<fqn>.<name>' / 'param_groups.<fqn>.<hyperparameter>'); pass the "
+                "optimizer's state dict, not a whole checkpoint"
+            )
+        return nested
+    if not is_optimizer_state_dict(loaded):
+        raise LayoutError(
+            "loaded is not an optimizer state dict: it has no 'state' mapping and "
+            "'param_groups' list; pass the optimizer's part of the checkpoint"
+        )
+    return _normalise_ids(loaded)
+
+
+def _group_ids(osd: Mapping[Any, Any]) -> list[Any]:
+    ids: list[Any] = []
+    for group in osd[PARAM_GROUPS]:
+        if isinstance(group, Mapping) and isinstance(group.get(PARAMS), (list, tuple)):
+            ids.extend(group[PARAMS])
+    return ids
+
+
+def _id_keyed(osd: Mapping[Any, Any]) -> bool:
+    """Whether the param groups list int ids (``optimizer.state_dict()``), not fqns."""
+    ids = _group_ids(osd)
+    return bool(ids) and all(type(pid) is int for pid in ids)
+
+
+def _normalise_ids(osd: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Int param ids whose state keys became strings (a DCP round trip: ``'0'``) made int again.
+
+    Only when every param id in the groups is an int and the string is exactly the
+    decimal spelling of one of them; anything else is left as it is.
+    """
+    ids = _group_ids(osd)
+    state = osd[STATE]
+    if not ids or not all(type(pid) is int for pid in ids):
+        return dict(osd)
+    known = {str(pid): pid for pid in ids}
+    if not any(type(k) is str and k in known for k in state):
+        return dict(osd)
+    if any(type(k) is str and k in known and known[k] in state for k in state):
+        raise LayoutError(
+            "the optimizer state has both an int param id and its string spelling as keys; "
+            "which one is meant cannot be told"
+        )
+    fixed = {(known[k] if type(k) is str and k in known else k): v for k, v in state.items()}
+    return {**osd, STATE: fixed}
+
+
+def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
+    """An int-keyed checkpoint with its ids mapped to the live optimizer's, by position.
+
+    ``Optimizer.load_state_dict`` maps params by position: group counts and sizes
+    must agree (a ``MergeError`` otherwise, before anything changes).
+    """
+    (o,) = slots.optims
+    c_groups = checkpoint[PARAM_GROUPS]
+    sizes = [len(g[PARAMS]) for g in c_groups]
+    live_sizes = [len(ids) for ids in o.ids]
+    if sizes != live_sizes:
+        text = (
+            f"the checkpoint has {len(sizes)} param group(s) of sizes {sizes} but the "
+            f"optimizer has {len(live_sizes)} of sizes {live_sizes}; a plain "
+            "optimizer.state_dict() (int ids) maps parameters by position, so it cannot be "
+            "resumed across that change. Rekey it to fqns with dsdmerge.rekey (or save "
+            "get_optimizer_state_dict next time)."
+        )
+        raise MergeError(f"cannot resume: {text}", problems=(text,))
+    mapping: dict[Any, Any] = {}
+    for g, ids in zip(c_groups, o.ids, strict=True):
+        for old, new in zip(g[PARAMS], ids, strict=True):
+            mapping.setdefault(old, new)
+    state = {mapping.get(k, k): v for k, v in checkpoint[STATE].items()}
+    groups = [{**g, PARAMS: [mapping[p] for p in g[PARAMS]]} for g in c_groups]
+    return {**checkpoint, STATE: state, PARAM_GROUPS: groups}
+
+
+def _without_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``param_names`` (torch's bookkeeping in groups, >= 2.5) left out: not a difference.
+
+    The live optimizer's names are put back when loading.
+    """
+    groups = osd[PARAM_GROUPS]
+    if not any(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+        return dict(osd)
+    return {
+        **osd,
+        PARAM_GROUPS: [
+            {k: v for k, v in g.items() if k != _PARAM_NAMES} if isinstance(g, Mapping) else g
+            for g in groups
+        ],
+    }
 
 
 def resume_model(
@@ -218,7 +525,9 @@ def resume_model(
     )
 
     require_mapping(loaded, "loaded")
-    pol = _resume_policy(policy, allow_missing, allow_unexpected, "reference")
+    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    # what has no parameter to go to is left out: a strict load would reject it
+    pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = dataclasses.replace(options or StateDictOptions(), strict=True)
     reference = get_model_state_dict(model, options=opts)
     merged = _merge(loaded, reference, pol, (), (), stacklevel=4)
@@ -333,74 +642,6 @@ def load_dcp(
 
 # --------------------------------------------------------------------------------------
 # helpers
-
-
-def _resume_policy(
-    policy: str | Policy,
-    allow_missing: str | Iterable[str],
-    allow_unexpected: str | Iterable[str],
-    fresh: str,
-) -> Policy:
-    if fresh not in _FRESH:
-        raise InvalidPolicyError(f"fresh must be 'reference' or 'as_fresh', got {fresh!r}")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    # what has no parameter to go to is left out: torch would ignore or reject it
-    return dataclasses.replace(pol, drop_unexpected=True)
-
-
-def _int_keyed(loaded: Mapping[Any, Any]) -> bool:
-    if not is_optimizer_state_dict(loaded):
-        return False
-    ids = list(loaded[STATE])
-    for group in loaded[PARAM_GROUPS]:
-        if isinstance(group, Mapping) and isinstance(group.get(PARAMS), (list, tuple)):
-            ids.extend(group[PARAMS])
-    return bool(ids) and all(type(pid) is int for pid in ids)
-
-
-def _resume_int_keyed(
-    model: torch.nn.Module,
-    optims: tuple[torch.optim.Optimizer, ...],
-    loaded: Mapping[Any, Any],
-    pol: Policy,
-    fresh: Fresh,
-) -> KeyDiff:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    if len(optims) != 1:
-        raise LayoutError(
-            f"loaded is a plain optimizer.state_dict() (int param ids), which holds one "
-            f"optimizer, but {len(optims)} optimizers were given; resume each with its own "
-            "state dict, or save fqn-keyed state with get_optimizer_state_dict."
-        )
-    (optim,) = optims
-    get_optimizer_state_dict(model, optim)  # DSD's zero-gradient step: the reference state
-    reference = optim.state_dict()
-    merged = _merge(loaded, reference, pol, (), (), stacklevel=5)
-    state_dict = merged.state_dict
-    if fresh == "as_fresh":
-        have = loaded[STATE]
-        state_dict = {
-            **state_dict,
-            STATE: {k: v for k, v in state_dict[STATE].items() if k in have},
-        }
-    optim.load_state_dict(state_dict)
-    return merged.diff
-
-
-def _params_without_state(loaded: Mapping[Any, Any], ref_state: Mapping[Any, Any]) -> set[Any]:
-    """Reference params (fqns) of which ``loaded`` holds no optimizer state at all."""
-    if is_optimizer_state_dict(loaded):
-        have = set(cast(Mapping[Any, Any], loaded[STATE]))
-    else:
-        have = set()
-        n = len(STATE_PREFIX)
-        for key in loaded:
-            if type(key) is str and key.startswith(STATE_PREFIX):
-                found = split_param_key(key[n:], ref_state)
-                if found is not None:
-                    have.add(found[0])
-    return {fqn for fqn in ref_state if fqn not in have}
 
 
 def _leaf_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:

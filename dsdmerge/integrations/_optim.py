@@ -1,0 +1,484 @@
+"""Live optimizers as a resume sees them, without changing them.
+
+Internal to :mod:`dsdmerge.integrations`. Three things live here:
+
+* :func:`leaf_optimizers`: the real ``torch.optim.Optimizer`` objects behind what
+  the caller passed: one optimizer, several, or a *container* (an ``Optimizer``
+  subclass that holds several, such as torchtitan's ``OptimizersContainer``
+  (``.optimizers``) or VeOmni's ``MultiOptimizer`` (``.optimizers_dict``)).
+* :class:`Slots`: every parameter of those optimizers with the name a checkpoint
+  uses for it (its fqn, or its int id in a plain ``optimizer.state_dict()``), and
+  :meth:`Slots.reference`, the state dict the optimizers would accept, built from
+  their own ``state_dict()`` and the checkpoint: **no optimizer step is taken and
+  no parameter is touched**. (DSD's ``get_optimizer_state_dict`` takes a real
+  step with zero gradients to build its reference; on a container that step runs
+  at the real learning rate.)
+* :meth:`Slots.load_dicts`: the merged state split back into one int-keyed
+  ``optimizer.state_dict()`` per optimizer, in that optimizer's own parameter
+  order, for ``Optimizer.load_state_dict``.
+
+How the reference is built, per parameter that still exists:
+
+* the checkpoint's state fields are all expected (``Optimizer.load_state_dict``
+  keeps fields the optimizer would not create, such as a momentum buffer after
+  ``momentum`` was set to 0), so they are in the reference, as the checkpoint's
+  own values;
+* fields the live optimizer already holds (it stepped before the resume, or
+  created state on its own, as schedulefree's ``.train()`` does) are there with
+  the live values; with ``fresh="reference"``, so are the fields DSD's
+  zero-gradient step would create, computed on a throwaway copy of the optimizer;
+* a parameter with no state anywhere gets *placeholder* fields named as the
+  checkpoint names them for the other members of its param group, so that the
+  report says which state is missing; placeholders are never loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from dsdmerge._values import MISSING, short_repr
+from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
+from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
+
+if TYPE_CHECKING:
+    import torch
+
+__all__: list[str] = []
+
+# attributes under which optimizer containers keep their optimizers
+_CONTAINER_ATTRS = ("optimizers", "optimizers_dict", "_optimizers")
+_PARAM_NAMES = "param_names"
+
+
+class _Placeholder:
+    """The value of a state field a parameter does not have yet (never loaded)."""
+
+    __slots__ = ()
+    _instance: ClassVar[_Placeholder | None] = None
+
+    def __new__(cls) -> _Placeholder:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<no state yet>"
+
+
+PLACEHOLDER = _Placeholder()
+
+
+# --------------------------------------------------------------------------------------
+# which optimizers
+
+
+def _inner(obj: object) -> list[Any] | None:
+    """The optimizers a container holds, or ``None`` when ``obj`` is not a container."""
+    import torch
+
+    for attr in _CONTAINER_ATTRS:
+        try:
+            held = vars(obj).get(attr)
+        except TypeError:  # no __dict__
+            return None
+        if isinstance(held, Mapping):
+            held = list(held.values())
+        if (
+            isinstance(held, (list, tuple))
+            and held
+            and all(isinstance(o, torch.optim.Optimizer) for o in held)
+        ):
+            return list(held)
+    return None
+
+
+def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
+    """The real optimizers behind one optimizer, several, or a container of them.
+
+    Raises:
+        StateDictTypeError: Not optimizers, or an ``Optimizer`` subclass that holds
+            no parameters of its own and no optimizers dsdmerge can find (the
+            message says what to pass instead).
+        LayoutError: One optimizer given twice, or a parameter in two optimizers.
+    """
+    import torch
+
+    found: list[torch.optim.Optimizer] = []
+
+    def visit(obj: object, where: str, depth: int) -> None:
+        inner = _inner(obj) if depth < 8 else None
+        if inner is not None:
+            for i, o in enumerate(inner):
+                visit(o, f"{where}[{i}]", depth + 1)
+            return
+        if not isinstance(obj, torch.optim.Optimizer):
+            raise StateDictTypeError(
+                f"{where} is a {type(obj).__name__}, not a torch.optim.Optimizer; pass an "
+                "optimizer, a list of optimizers, or an optimizer container"
+            )
+        groups = vars(obj).get("param_groups")
+        state = vars(obj).get("state")
+        if not isinstance(groups, list) or not isinstance(state, Mapping):
+            raise StateDictTypeError(
+                f"{where} ({type(obj).__name__}) is a torch.optim.Optimizer without its own "
+                "param_groups and state, and holds no optimizers under "
+                f"{', '.join(repr(a) for a in _CONTAINER_ATTRS)}: if it wraps several "
+                "optimizers, pass them instead, e.g. resume_optimizer(model, "
+                "list(container.<optimizers>), loaded)"
+            )
+        found.append(obj)
+
+    if isinstance(optimizers, torch.optim.Optimizer) or _inner(optimizers) is not None:
+        visit(optimizers, "optimizers", 0)
+    else:
+        try:
+            items = list(optimizers)  # type: ignore[call-overload]
+        except TypeError:
+            raise StateDictTypeError(
+                f"optimizers must be a torch.optim.Optimizer or an iterable of them, got "
+                f"{type(optimizers).__name__}"
+            ) from None
+        for i, o in enumerate(items):
+            visit(o, f"optimizers[{i}]", 1)
+    if not found:
+        raise StateDictTypeError("no optimizers given: pass at least one torch.optim.Optimizer")
+    if len({id(o) for o in found}) != len(found):
+        raise LayoutError("the same optimizer was given twice")
+    seen: dict[int, int] = {}
+    for i, o in enumerate(found):
+        for g in o.param_groups:
+            for p in g[PARAMS]:
+                if seen.setdefault(id(p), i) != i:
+                    raise LayoutError(
+                        f"a parameter of shape {tuple(p.shape)} is in two of the given "
+                        f"optimizers ({seen[id(p)]} and {i}); each parameter must belong to one"
+                    )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------------------
+# parameter names
+
+
+class FlatParameters(DSDMergeError, ValueError):
+    """A parameter that stands for several fqns (FSDP1 without ``use_orig_params``)."""
+
+
+def param_fqns(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, str]:
+    """``id(parameter) -> fqn`` as DSD spells it (wrapper prefixes removed).
+
+    Tied parameters take their first name, as ``named_parameters()`` and DSD do.
+    Uses DSD's own ``_get_fqns`` so the names match what ``get_optimizer_state_dict``
+    saved (DDP ``module.``, ``torch.compile``'s ``_orig_mod.``, activation
+    checkpointing and FSDP wrappers).
+    """
+    import torch
+
+    # DSD's own name resolution (private, but present in every torch dsdmerge supports)
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+    for i, part in enumerate(parts):
+        if not isinstance(part, torch.nn.Module):
+            raise StateDictTypeError(
+                f"model{'' if len(parts) == 1 else f'[{i}]'} is a {type(part).__name__}, not a "
+                "torch.nn.Module (or a list of model parts)"
+            )
+    out: dict[int, str] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            fqns = _get_fqns(part, name)
+            if len(fqns) != 1:
+                raise FlatParameters(f"{name!r} stands for {len(fqns)} parameters")
+            out.setdefault(id(p), next(iter(fqns)))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the slots
+
+
+@dataclasses.dataclass
+class _Optim:
+    optimizer: torch.optim.Optimizer
+    live: dict[Any, Any]  # its own state_dict(): int ids
+    keys: list[list[Any]]  # per group, the slot key of each parameter
+    ids: list[list[Any]]  # per group, the int id of each parameter in ``live``
+
+
+@dataclasses.dataclass
+class Slots:
+    """The parameters of some optimizers, named as a checkpoint names them.
+
+    ``keyed="fqn"``: a parameter's name is its fqn in the model. ``keyed="id"``
+    (one optimizer): its int id in the optimizer's own ``state_dict()``.
+    """
+
+    optims: list[_Optim]
+    keyed: str
+
+    @classmethod
+    def of(
+        cls,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None,
+        *,
+        keyed: str,
+    ) -> Slots:
+        fqn_of = param_fqns(model) if keyed == "fqn" and model is not None else {}
+        optims = []
+        for n, opt in enumerate(optimizers):
+            live = opt.state_dict()
+            if not isinstance(live, Mapping) or not isinstance(live.get(PARAM_GROUPS), list):
+                raise StateDictTypeError(
+                    f"{type(opt).__name__}.state_dict() did not return an optimizer state dict"
+                )
+            keys: list[list[Any]] = []
+            ids: list[list[Any]] = []
+            for gi, (group, saved) in enumerate(
+                zip(opt.param_groups, live[PARAM_GROUPS], strict=True)
+            ):
+                ids.append(list(saved[PARAMS]))
+                if keyed == "id":
+                    keys.append(list(saved[PARAMS]))
+                    continue
+                names = []
+                for j, p in enumerate(group[PARAMS]):
+                    fqn = fqn_of.get(id(p))
+                    if fqn is None:
+                        raise LayoutError(
+                            f"parameter {j} of param group {gi} of optimizer {n} "
+                            f"({type(opt).__name__}, shape {tuple(p.shape)}) is not a "
+                            "parameter of the model passed in"
+                        )
+                    names.append(fqn)
+                keys.append(names)
+            optims.append(_Optim(opt, dict(live), keys, ids))
+        slots = cls(optims, keyed)
+        every = [k for o in optims for g in o.keys for k in g]
+        if len(set(every)) != len(every):
+            dup = sorted({short_repr(k) for k in every if every.count(k) > 1})
+            raise LayoutError(f"parameters listed twice across param groups: {', '.join(dup)}")
+        return slots
+
+    def every_key(self) -> Iterator[Any]:
+        """Every parameter's slot key, group after group, optimizer after optimizer."""
+        for o in self.optims:
+            for g in o.keys:
+                yield from g
+
+    def live_state(self) -> dict[Any, Any]:
+        """The live optimizers' per-parameter state, by slot key."""
+        out: dict[Any, Any] = {}
+        for o in self.optims:
+            by_id = dict(zip(_chain(o.ids), _chain(o.keys), strict=True))
+            for pid, entry in o.live[STATE].items():
+                if pid in by_id:
+                    out[by_id[pid]] = entry
+        return out
+
+    def live_extras(self) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """``(optimizer-level state entries, top-level keys besides state/param_groups)``."""
+        entries: dict[Any, Any] = {}
+        extras: dict[Any, Any] = {}
+        for o in self.optims:
+            ids = set(_chain(o.ids))
+            for pid, entry in o.live[STATE].items():
+                if pid not in ids:
+                    entries.setdefault(pid, entry)
+            for k, v in o.live.items():
+                if k not in (STATE, PARAM_GROUPS):
+                    extras.setdefault(k, v)
+        return entries, extras
+
+    def reference(
+        self, checkpoint: Mapping[Any, Any], *, init: Mapping[Any, Any] | None = None
+    ) -> dict[Any, Any]:
+        """The state dict these optimizers accept, given the (nested) ``checkpoint``.
+
+        See the module docstring. ``init``: per slot key, the state DSD's
+        zero-gradient step would create (``fresh="reference"``). Does not modify
+        its inputs; checkpoint and live values are shared.
+        """
+        c_state = checkpoint.get(STATE)
+        c_state = c_state if isinstance(c_state, Mapping) else {}
+        live = self.live_state()
+        state: dict[Any, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for o in self.optims:
+            for group_keys, saved in zip(o.keys, o.live[PARAM_GROUPS], strict=True):
+                template = _template(c_state, group_keys)
+                for key in group_keys:
+                    ck = c_state.get(key, MISSING)
+                    ck = ck if isinstance(ck, Mapping) else MISSING
+                    base = live.get(key)
+                    if not base and init is not None:
+                        base = init.get(key)
+                    if ck is not MISSING:
+                        state[key] = {**ck, **base} if base else ck
+                    elif base:
+                        state[key] = base
+                    elif template is not None:
+                        state[key] = template
+                group = {k: v for k, v in saved.items() if k != PARAMS}
+                group[PARAMS] = list(group_keys)
+                groups.append(group)
+        entries, extras = self.live_extras()
+        # optimizer-level state entries (not a parameter's) are carried as torch carries them
+        c_groups = checkpoint.get(PARAM_GROUPS)
+        c_members = {
+            pid
+            for g in (c_groups if isinstance(c_groups, (list, tuple)) else ())
+            if isinstance(g, Mapping) and isinstance(g.get(PARAMS), (list, tuple))
+            for pid in g[PARAMS]
+            if isinstance(pid, (int, str))
+        }
+        for pid, entry in c_state.items():
+            if pid not in state and pid not in c_members and not isinstance(entry, Mapping):
+                entries.setdefault(pid, entry)
+        state.update((k, v) for k, v in entries.items() if k not in state)
+        for k, v in checkpoint.items():
+            if k not in (STATE, PARAM_GROUPS):
+                extras.setdefault(k, v)
+        return {**extras, STATE: state, PARAM_GROUPS: groups}
+
+    def load_dicts(
+        self, merged: Mapping[Any, Any], *, keep: set[Any] | None
+    ) -> list[dict[Any, Any]]:
+        """One ``optimizer.state_dict()``-shaped dict per optimizer, from the merged state.
+
+        ``merged`` follows :meth:`reference`'s structure (its param groups in the
+        same order). ``keep``: the slot keys whose state may be loaded (``None``:
+        all); placeholders are never loaded. ``param_names`` come from the live
+        optimizer (the names of the model you have now).
+        """
+        state = merged[STATE]
+        groups = merged[PARAM_GROUPS]
+        out = []
+        at = 0
+        extras = {k: v for k, v in merged.items() if k not in (STATE, PARAM_GROUPS)}
+        slot_keys = set(self.every_key())
+        entries = {k: v for k, v in state.items() if k not in slot_keys and _loadable(v)}
+        for o in self.optims:
+            o_state: dict[Any, Any] = {}
+            o_groups = []
+            for keys, ids, saved in zip(o.keys, o.ids, o.live[PARAM_GROUPS], strict=True):
+                group = {k: v for k, v in groups[at].items() if k != PARAMS}
+                at += 1
+                group.pop(_PARAM_NAMES, None)
+                if _PARAM_NAMES in saved:
+                    group[_PARAM_NAMES] = saved[_PARAM_NAMES]
+                group[PARAMS] = list(ids)
+                o_groups.append(group)
+                for key, pid in zip(keys, ids, strict=True):
+                    entry = state.get(key, MISSING)
+                    if entry is MISSING or (keep is not None and key not in keep):
+                        continue
+                    if _loadable(entry):
+                        o_state[pid] = entry
+            own_extras = {k: v for k, v in extras.items() if k in o.live}
+            if len(self.optims) == 1:
+                own_extras = extras
+                o_state.update(entries)
+            else:
+                ids_here = {pid for pid in o.live[STATE] if pid not in set(_chain(o.ids))}
+                o_state.update((k, v) for k, v in entries.items() if k in ids_here)
+            out.append({**own_extras, STATE: o_state, PARAM_GROUPS: o_groups})
+        return out
+
+
+def _chain(lists: Iterable[list[Any]]) -> Iterator[Any]:
+    for items in lists:
+        yield from items
+
+
+def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] | None:
+    """Placeholder state named like the checkpoint state of the first member that has some."""
+    for key in members:
+        entry = c_state.get(key)
+        if isinstance(entry, Mapping) and entry:
+            return _placeholders(entry, 0)
+    return None
+
+
+def _placeholders(entry: Mapping[Any, Any], depth: int) -> dict[Any, Any]:
+    return {
+        name: _placeholders(v, depth + 1)
+        if isinstance(v, Mapping) and depth < 8
+        else PLACEHOLDER
+        for name, v in entry.items()
+    }
+
+
+def _loadable(value: Any) -> bool:
+    """Whether ``value`` holds no placeholder (which must never reach an optimizer)."""
+    if value is PLACEHOLDER:
+        return False
+    if isinstance(value, Mapping):
+        stack = [iter(value.values())]
+        while stack:
+            for v in stack[-1]:
+                if v is PLACEHOLDER:
+                    return False
+                if isinstance(v, Mapping) and len(stack) < 64:
+                    stack.append(iter(v.values()))
+                    break
+            else:
+                stack.pop()
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# DSD's zero-gradient step, on a throwaway copy
+
+
+def init_state(slots: Slots) -> dict[Any, Any]:
+    """The state DSD's ``_init_optim_state`` would create, per slot key, from throwaway copies.
+
+    Each optimizer is deep-copied with its parameters replaced by detached
+    clones; the copy takes DSD's step (zero gradients, ``lr`` 0) when DSD would
+    (no state yet and no parameter holding a gradient). The live optimizer and
+    the model are never touched; the cost is one copy of the parameters.
+
+    Raises:
+        DSDMergeError: The optimizer's step failed on the copy.
+    """
+    import torch
+
+    out: dict[Any, Any] = {}
+    for o in slots.optims:
+        opt = o.optimizer
+        params = [p for g in opt.param_groups for p in g[PARAMS]]
+        if opt.state or any(p.grad is not None for p in params):
+            continue  # DSD takes no step then: its reference is the live state
+        memo: dict[int, Any] = {}
+        for p in params:
+            if id(p) not in memo:
+                clone = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                memo[id(p)] = clone
+        try:
+            twin = copy.deepcopy(opt, memo)
+            with torch.no_grad():
+                for g in twin.param_groups:
+                    for p in g[PARAMS]:
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
+                    if "lr" in g:
+                        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+                twin.step(closure=None)
+            twin_sd = twin.state_dict()
+        except Exception as err:  # any failure of a third-party step
+            raise DSDMergeError(
+                f"fresh='reference' needs DSD's zero-gradient step, and "
+                f"{type(opt).__name__}.step() failed on a copy of the optimizer: "
+                f"{type(err).__name__}: {short_repr(str(err))}. Nothing was changed. Use "
+                "fresh='as_fresh' (parameters without checkpointed state start fresh)."
+            ) from err
+        by_id = dict(zip(_chain(o.ids), _chain(o.keys), strict=True))
+        for pid, entry in twin_sd[STATE].items():
+            if pid in by_id:
+                out[by_id[pid]] = entry
+    return out
