@@ -965,6 +965,9 @@ class _Nested:
         self.types: dict[type, bool] = {}
         # id of a checkpoint sub-dict merged by the flat pass -> its unexpected keys
         self.flat_unexpected: dict[int, list[str]] = {}
+        # the optimizer state dicts whose state is being merged (for optimizer-level entries)
+        self.c_osd: Mapping[Any, Any] = {}
+        self.r_osd: Mapping[Any, Any] = {}
 
     def run(self, c: Mapping[Any, Any], r: Mapping[Any, Any]) -> Outcome:
         if is_optimizer_state_dict(c) != is_optimizer_state_dict(r):
@@ -1122,13 +1125,19 @@ class _Nested:
         check_not_mixed(r, prefix[:-1])
         c_state, r_state = c[STATE], r[STATE]
         _check_id_kinds(c, r, prefix)
+        self.c_osd, self.r_osd = c, r
         state: dict[Any, Any] = {}
         if not _id_types_ok(r_state) or not self._fast_state(c_state, r_state, state, prefix):
             self._state(c_state, r_state, state, prefix)
         if not c_state.keys() <= r_state.keys():
             self.any_unexpected = True
         groups = self._groups(c, r, prefix)
-        return {STATE: state, PARAM_GROUPS: groups}
+        c_extra, r_extra = _extras(c), _extras(r)
+        if not c_extra and not r_extra:
+            return {STATE: state, PARAM_GROUPS: groups}
+        # keys an optimizer keeps beside state and param_groups: merged like any mapping
+        extra = self._tree(c_extra, r_extra, prefix)
+        return {STATE: state, PARAM_GROUPS: groups, **extra}
 
     def _state(
         self,
@@ -1145,7 +1154,17 @@ class _Nested:
             if not isinstance(r_entry, Mapping) or not (
                 c_entry is MISSING or isinstance(c_entry, Mapping)
             ):
-                raise LayoutError(f"{key!r}: optimizer state of a parameter must be a mapping")
+                if isinstance(r_entry, Mapping) or isinstance(c_entry, Mapping):
+                    raise LayoutError(
+                        f"{key!r} is a parameter's state (a mapping) on one side and an "
+                        "optimizer-level entry (a leaf) on the other"
+                    )
+                _require_optimizer_level(pid, key, self.c_osd, self.r_osd)
+                if c_entry is MISSING:
+                    self._backfill(state, pid, r_entry, key)
+                else:  # an optimizer-level entry (MADGRAD's state['k']): a leaf
+                    self._leaf(state, pid, c_entry, r_entry, key)
+                continue
             if c_entry is MISSING:
                 self._backfill(state, pid, r_entry, key)
             elif type(c_entry) is dict and c_entry.keys() == r_entry.keys():
@@ -1378,8 +1397,18 @@ class _Nested:
         for pid, c_entry in c_state.items():
             key = state_prefix + key_str(pid, prefix + STATE)
             r_entry = r_state.get(pid, MISSING)
-            if not isinstance(c_entry, Mapping):
-                raise LayoutError(f"{key!r}: optimizer state of a parameter must be a mapping")
+            if not isinstance(c_entry, Mapping):  # an optimizer-level entry: a leaf
+                _require_optimizer_level(pid, key, c, r)
+                if r_entry is MISSING:
+                    self.outcome.unexpected.append(key)
+                    if self.keep:
+                        state[pid] = c_entry
+                elif isinstance(r_entry, Mapping):
+                    raise LayoutError(
+                        f"{key!r} is a parameter's state (a mapping) on one side and an "
+                        "optimizer-level entry (a leaf) on the other"
+                    )
+                continue
             if r_entry is MISSING:
                 self.outcome.unexpected.extend(_flat_keys(c_entry, key))
                 if self.keep:
@@ -1390,6 +1419,9 @@ class _Nested:
                 and not any(isinstance(v, Mapping) for v in c_entry.values())
             ):  # only flat entries with the same names have nothing unexpected (see _entry)
                 self._tree_unexpected(c_entry, r_entry, state[pid], key + ".", in_state=True)
+        c_extra = _extras(c)
+        if c_extra:
+            self._tree_unexpected(c_extra, _extras(r), out, prefix)
         where = prefix + PARAM_GROUPS
         r_names: dict[Any, set[str]] = {}
         for g in r[PARAM_GROUPS]:
@@ -1410,6 +1442,29 @@ class _Nested:
                     for name in names
                     if have is None or name not in have
                 )
+
+
+def _require_optimizer_level(pid: Any, key: str, *osds: Mapping[Any, Any]) -> None:
+    """Raise unless ``pid``, whose state entry is a leaf, is no parameter of ``osds``' groups.
+
+    A leaf in ``state`` is an optimizer-level entry (MADGRAD keeps ``state['k']``);
+    a parameter's state must be a mapping.
+    """
+    for osd in osds:
+        for group in osd.get(PARAM_GROUPS, ()):
+            params = group.get(PARAMS) if isinstance(group, Mapping) else None
+            if isinstance(params, (list, tuple)) and any(p == pid for p in params):
+                raise LayoutError(
+                    f"{key!r}: the optimizer state of a parameter must be a mapping of state "
+                    "names to values"
+                )
+
+
+def _extras(osd: Mapping[Any, Any]) -> dict[Any, Any]:
+    """The keys of an optimizer state dict beside ``state`` and ``param_groups``."""
+    if len(osd) == 2:
+        return {}
+    return {k: v for k, v in osd.items() if k != STATE and k != PARAM_GROUPS}
 
 
 def _state_key(prefix: str, pid: Any) -> str:

@@ -152,7 +152,7 @@ def _flatten_optimizer(
     check_not_mixed(osd, prefix[:-1])
     written = _flat_state(out, osd[STATE], prefix)
     if written < 0:
-        written = _state_one_by_one(out, osd[STATE], prefix, on_path)
+        written = _state_one_by_one(out, osd[STATE], prefix, on_path, osd[PARAM_GROUPS])
     group_prefix = prefix + PG_PREFIX
     for index, group in enumerate(osd[PARAM_GROUPS]):
         where = f"{prefix}{PARAM_GROUPS}[{index}]"
@@ -172,6 +172,20 @@ def _flatten_optimizer(
             bases = [f"{group_prefix}{s}." for s in spelled[start : start + _BLOCK]]
             out.update(zip([base + name for base in bases for name in names], cycle(values)))
         written += len(params) * len(hyper)
+    # keys an optimizer keeps beside state and param_groups: dotted paths, like any mapping
+    for k, v in osd.items():
+        if k == STATE or k == PARAM_GROUPS:
+            continue
+        key = prefix + (k if type(k) is str else key_str(k, prefix[:-1]))
+        if isinstance(v, Mapping):
+            if id(v) in on_path:
+                raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
+            on_path.add(id(v))
+            written += _flatten_tree(out, v, key + ".", on_path, optimizers=False)
+            on_path.discard(id(v))
+        else:
+            out[key] = v
+            written += 1
     return written
 
 
@@ -211,18 +225,26 @@ def _flat_state(out: dict[str, Any], state: Mapping[Any, Any], prefix: str) -> i
 
 
 def _state_one_by_one(
-    out: dict[str, Any], state: Mapping[Any, Any], prefix: str, on_path: set[int]
+    out: dict[str, Any],
+    state: Mapping[Any, Any],
+    prefix: str,
+    on_path: set[int],
+    groups: Iterable[Any] = (),
 ) -> int:
     """The ``state.*`` keys of one optimizer, any entry shape (nested state, odd types)."""
     written = 0
     state_prefix = prefix + STATE_PREFIX
     for pid, entry in state.items():
         pkey = state_prefix + key_str(pid, prefix + STATE) + "."
-        if not isinstance(entry, Mapping):
-            raise LayoutError(
-                f"{pkey[:-1]!r}: optimizer state of a parameter must be a mapping of state "
-                f"names to values, got {type(entry).__name__}"
-            )
+        if not isinstance(entry, Mapping):  # an optimizer-level entry (MADGRAD's state['k'])
+            if any(pid in g.get(PARAMS, ()) for g in groups if isinstance(g, Mapping)):
+                raise LayoutError(
+                    f"{pkey[:-1]!r}: the optimizer state of a parameter must be a mapping of "
+                    f"state names to values, got {type(entry).__name__}"
+                )
+            out[pkey[:-1]] = entry
+            written += 1
+            continue
         for name, v in entry.items():
             key = pkey + (name if type(name) is str else key_str(name, pkey[:-1]))
             if isinstance(v, Mapping):  # nested state (Shampoo-like): dotted paths, as torch
@@ -395,7 +417,13 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
     longest = max(map(len, hyper), default=0)
     for key, v in flat.items():
         if key.startswith(STATE_PREFIX):
-            found = split_param_key(key[len(STATE_PREFIX) :], hyper, longest)
+            rest = key[len(STATE_PREFIX) :]
+            found = split_param_key(rest, hyper, longest)
+            if found is None and rest and "." not in rest:  # an optimizer-level entry
+                if rest in state:
+                    raise LayoutError(f"{key!r} is both a value and a prefix of other keys")
+                state[rest] = v
+                continue
             if found is None:
                 raise LayoutError(
                     f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
@@ -503,8 +531,21 @@ class _Unflattener:
             for pid, entry in like[STATE].items():
                 spelled = key_str(pid, prefix + STATE)
                 pids[spelled] = pid
-                if not isinstance(entry, Mapping):
-                    raise LayoutError(f"{state_prefix + spelled!r} in like is not a mapping")
+                if not isinstance(entry, Mapping):  # an optimizer-level entry: a leaf
+                    if any(
+                        pid in g.get(PARAMS, ())
+                        for g in like[PARAM_GROUPS]
+                        if isinstance(g, Mapping)
+                    ):
+                        raise LayoutError(
+                            f"{state_prefix + spelled!r} in like: the optimizer state of a "
+                            "parameter must be a mapping"
+                        )
+                    value = flat.get(state_prefix + spelled, MISSING)
+                    if value is not MISSING:
+                        state[pid] = value
+                        self.hits += 1
+                    continue
                 if not entry:
                     state[pid] = {}
                     continue
@@ -554,7 +595,26 @@ class _Unflattener:
                 pids[spelled] = pid
                 member_of[pid] = group
         self.optimizers[prefix] = (pids, state, member_of)
-        return {STATE: state, PARAM_GROUPS: groups}
+        out: dict[Any, Any] = {}
+        for k, v in like.items():  # like's order, with the keys beside state and param_groups
+            if k == STATE:
+                out[STATE] = state
+            elif k == PARAM_GROUPS:
+                out[PARAM_GROUPS] = groups
+            else:
+                key = prefix + (k if type(k) is str else key_str(k, prefix[:-1]))
+                if isinstance(v, Mapping):
+                    if id(v) in on_path:
+                        raise LayoutError(f"cycle: the mapping at {key!r} in like contains itself")
+                    on_path.add(id(v))
+                    out[k] = self._tree(v, key + ".", on_path)
+                    on_path.discard(id(v))
+                else:
+                    value = flat.get(key, MISSING)
+                    if value is not MISSING:
+                        out[k] = value
+                        self.hits += 1
+        return out
 
     def _fast_state(
         self,

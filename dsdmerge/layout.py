@@ -100,9 +100,7 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
     Raises:
         StateDictTypeError: ``sd`` is not a mapping.
         LayoutError: ``sd`` mixes nested optimizer sections (``"state"``,
-            ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``),
-            or is an optimizer state dict with other keys besides (which torch's
-            formats cannot hold, so converting or merging it would lose them).
+            ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``).
 
     Example:
         >>> import dsdmerge as dm
@@ -130,9 +128,10 @@ def layout_of(sd: Mapping[Any, Any], types: set[type] | frozenset[type]) -> Layo
 
 
 def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
-    """Raise :class:`LayoutError` for optimizer sections next to flattened or other keys.
+    """Raise :class:`LayoutError` for optimizer sections next to flattened optimizer keys.
 
-    An optimizer state dict holds only ``state`` and ``param_groups``.
+    Other keys beside ``state`` and ``param_groups`` are allowed: an optimizer may
+    keep its own there (``Optimizer.load_state_dict`` hands them to its load hooks).
     """
     sections = [
         k
@@ -153,14 +152,4 @@ def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
             f"flattened keys {shown}{more}. A state dict is either nested "
             "(get_optimizer_state_dict) or flattened (flatten_optimizer_state_dict=True); "
             "convert one side with dsdmerge.flatten() or dsdmerge.unflatten()."
-        )
-    if len(sections) == 2 and len(sd) > 2:
-        extra = [short_repr(k) for k in sd if k != STATE and k != PARAM_GROUPS]
-        shown = ", ".join(extra[:5])
-        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise LayoutError(
-            f"optimizer state dict{where} has keys besides 'state' and 'param_groups': "
-            f"{shown}{more}. torch's optimizer state dicts hold only those two (its flattened "
-            "format has no place for others, and Optimizer.load_state_dict ignores them), so "
-            "they would be lost; move them out of the optimizer state dict."
         )

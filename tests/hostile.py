@@ -352,8 +352,9 @@ def expected_flat_leaves(sd: Mapping[Any, Any]) -> list[Any]:
 
     Written independently of the library, from torch's format: every non-mapping
     value of a nested mapping, except that an optimizer state dict contributes
-    its state values (nested state flattening further) and one copy of each
-    group hyperparameter per member of the group.
+    its state values (nested state flattening further; a leaf entry is an
+    optimizer-level value), one copy of each group hyperparameter per member of
+    the group, and the leaves of the keys it has beside ``state`` and ``param_groups``.
     """
     out: list[Any] = []
     # (mapping, whether an optimizer-shaped mapping in it is an optimizer state dict)
@@ -362,10 +363,20 @@ def expected_flat_leaves(sd: Mapping[Any, Any]) -> list[Any]:
         node, optimizers = stack.pop()
         if optimizers and dm.is_optimizer_state_dict(node):
             for entry in node["state"].values():
-                stack.append((entry, False))
+                if isinstance(entry, Mapping):
+                    stack.append((entry, False))
+                else:
+                    out.append(entry)
             for group in node["param_groups"]:
                 values = [v for name, v in group.items() if name != "params"]
                 out.extend(values * len(group["params"]))
+            for name, value in node.items():
+                if name in ("state", "param_groups"):
+                    continue
+                if isinstance(value, Mapping):
+                    stack.append((value, False))
+                else:
+                    out.append(value)
             continue
         for value in node.values():
             if isinstance(value, Mapping):

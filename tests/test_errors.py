@@ -8,7 +8,7 @@ import torch
 import dsdmerge as dm
 
 BAD_OPTIMIZERS = [
-    {"state": {"w": 3}, "param_groups": []},
+    {"state": {"w": 3}, "param_groups": [{"lr": 1, "params": ["w"]}]},
     {"state": {}, "param_groups": [{"lr": 1}]},
     {"state": {}, "param_groups": [{"lr": 1, "params": "w"}]},
     {"state": {}, "param_groups": [5]},

@@ -406,9 +406,7 @@ def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] 
 
 def _placeholders(entry: Mapping[Any, Any], depth: int) -> dict[Any, Any]:
     return {
-        name: _placeholders(v, depth + 1)
-        if isinstance(v, Mapping) and depth < 8
-        else PLACEHOLDER
+        name: _placeholders(v, depth + 1) if isinstance(v, Mapping) and depth < 8 else PLACEHOLDER
         for name, v in entry.items()
     }
 

@@ -87,6 +87,7 @@ Fresh = Literal["reference", "as_fresh"]
 _FRESH: tuple[Fresh, ...] = ("reference", "as_fresh")
 _PARAM_NAMES = "param_names"
 
+
 def resume_optimizer(
     model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
