@@ -174,7 +174,7 @@ def _flatten_optimizer(
         written += len(params) * len(hyper)
     # keys an optimizer keeps beside state and param_groups: dotted paths, like any mapping
     for k, v in osd.items():
-        if k == STATE or k == PARAM_GROUPS:
+        if k in (STATE, PARAM_GROUPS):
             continue
         key = prefix + (k if type(k) is str else key_str(k, prefix[:-1]))
         if isinstance(v, Mapping):

@@ -14,7 +14,6 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 
 __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
