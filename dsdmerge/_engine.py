@@ -34,7 +34,6 @@ from operator import (
     attrgetter,
     contains,
     is_,
-    is_not,
     itemgetter,
     methodcaller,
     ne,
@@ -68,6 +67,7 @@ from dsdmerge.layout import (
     check_not_mixed,
     is_optimizer_state_dict,
     layout_of,
+    lists_param,
     require_mapping,
     value_types,
 )
@@ -1271,11 +1271,14 @@ class _Nested:
     ) -> list[dict[str, Any]]:
         """Merge param groups: hyperparameters from the checkpoint, membership from the reference.
 
-        A reference group takes the checkpoint group holding its first member that
-        the checkpoint has; new members join it (so they get the checkpoint's
-        scheduled hyperparameters), hyperparameters the checkpoint group lacks
-        come from the reference group, and a reference group with no member in
-        the checkpoint is taken whole from the reference.
+        A reference group takes the hyperparameters of the checkpoint group where
+        most of its members were (the first such group on a tie): new members and
+        members moved from another group take them too (a bias moved to a
+        no-decay group gets that group's decay), hyperparameters the checkpoint
+        group lacks come from the reference group, and a reference group with no
+        member in the checkpoint is taken whole from the reference. The ``params``
+        lists are the reference's (``Optimizer.load_state_dict`` maps by position),
+        so a checkpoint parameter that no longer exists is in no group.
         """
         where = prefix + PARAM_GROUPS
         c_groups = [
@@ -1293,6 +1296,12 @@ class _Nested:
             r_index: dict[Any, int] = {}
             for i, (g, _) in enumerate(r_groups):
                 r_index.update(zip(g[PARAMS], repeat(i)))
+            for side, index, sides_groups in (
+                ("checkpoint", c_index, c_groups),
+                ("reference", r_index, r_groups),
+            ):
+                if len(index) != sum(len(g[PARAMS]) for g, _ in sides_groups):
+                    _twice(sides_groups, side, where)
         except TypeError:  # an unhashable param id: name it
             for side, sides_groups in (("checkpoint", c_groups), ("reference", r_groups)):
                 for i, (g, _) in enumerate(sides_groups):
@@ -1311,7 +1320,7 @@ class _Nested:
             if not set(map(type, params)) <= {int, str}:  # key_str raises, naming the first
                 [key_str(pid, f"{where}[{ri}]") for pid in params]
             owners = list(map(c_index.get, params))  # each member's checkpoint group
-            ci = next(filter(partial(is_not, None), owners), None)
+            ci = _most_common(owners)
             if ci is None and not params:  # an empty group: the checkpoint's next empty one
                 ci = next(empty_c_groups, None)
             if ci is None:
@@ -1322,13 +1331,13 @@ class _Nested:
                 continue
             matched.add(ci)
             cg, c_items = c_groups[ci]
-            group = dict(c_items)
+            if self.keep:
+                group = dict(c_items)
+            else:  # what the reference group lacks is left out, as a flat merge drops it
+                group = {name: v for name, v in c_items if name in r_names[ri]}
             for name, value in r_items:
                 group.setdefault(name, value)
-            members = list(params)
-            if self.keep:
-                members.extend(filterfalse(r_index.__contains__, cg[PARAMS]))
-            group[PARAMS] = members
+            group[PARAMS] = list(params)
             out.append(group)
             lacking = [name for name, _ in r_items if name not in c_names[ci]]
             if not lacking and owners.count(ci) == len(owners):
@@ -1342,8 +1351,9 @@ class _Nested:
                     names = [name for name, _ in r_items if name not in have]
                     if own is not None and self.want_conflicts:
                         self.outcome.conflicts.append(
-                            f"{where}: {s} is in checkpoint group {own} but the reference puts it "
-                            f"with members of checkpoint group {ci}, whose hyperparameters it takes"
+                            f"{where}: {s} moved: it is in checkpoint group {own} but the "
+                            f"reference puts it with members of checkpoint group {ci}, whose "
+                            "hyperparameters it takes"
                         )
                 missing.extend(f"{group_prefix}{s}.{name}" for name in names)
         if len(matched) < len(c_groups):
@@ -1444,6 +1454,31 @@ class _Nested:
                 )
 
 
+def _most_common(owners: list[int | None]) -> int | None:
+    """The checkpoint group most members come from (the first on a tie), ``None`` if none."""
+    counts: dict[int, int] = {}
+    for own in owners:
+        if own is not None:
+            counts[own] = counts.get(own, 0) + 1
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(own for own, n in counts.items() if n == best)
+
+
+def _twice(groups: list[tuple[Any, Any]], side: str, where: str) -> None:
+    """Raise :class:`LayoutError` naming a param id listed twice among ``groups``."""
+    seen: dict[Any, int] = {}
+    for i, (g, _) in enumerate(groups):
+        for pid in g[PARAMS]:
+            if pid in seen:
+                raise LayoutError(
+                    f"{where} ({side}): parameter {short_repr(pid)} is listed twice (in groups "
+                    f"{seen[pid]} and {i}); torch.optim rejects a parameter in two groups"
+                )
+            seen[pid] = i
+
+
 def _require_optimizer_level(pid: Any, key: str, *osds: Mapping[Any, Any]) -> None:
     """Raise unless ``pid``, whose state entry is a leaf, is no parameter of ``osds``' groups.
 
@@ -1451,13 +1486,11 @@ def _require_optimizer_level(pid: Any, key: str, *osds: Mapping[Any, Any]) -> No
     a parameter's state must be a mapping.
     """
     for osd in osds:
-        for group in osd.get(PARAM_GROUPS, ()):
-            params = group.get(PARAMS) if isinstance(group, Mapping) else None
-            if isinstance(params, (list, tuple)) and any(p == pid for p in params):
-                raise LayoutError(
-                    f"{key!r}: the optimizer state of a parameter must be a mapping of state "
-                    "names to values"
-                )
+        if lists_param(osd, pid):
+            raise LayoutError(
+                f"{key!r}: the optimizer state of a parameter must be a mapping of state "
+                "names to values"
+            )
 
 
 def _extras(osd: Mapping[Any, Any]) -> dict[Any, Any]:

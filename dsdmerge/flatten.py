@@ -32,6 +32,7 @@ from dsdmerge.layout import (
     classify,
     is_optimizer_state_dict,
     layout_of,
+    lists_param,
     require_mapping,
     value_types,
 )
@@ -152,7 +153,7 @@ def _flatten_optimizer(
     check_not_mixed(osd, prefix[:-1])
     written = _flat_state(out, osd[STATE], prefix)
     if written < 0:
-        written = _state_one_by_one(out, osd[STATE], prefix, on_path, osd[PARAM_GROUPS])
+        written = _state_one_by_one(out, osd, prefix, on_path)
     group_prefix = prefix + PG_PREFIX
     for index, group in enumerate(osd[PARAM_GROUPS]):
         where = f"{prefix}{PARAM_GROUPS}[{index}]"
@@ -225,19 +226,16 @@ def _flat_state(out: dict[str, Any], state: Mapping[Any, Any], prefix: str) -> i
 
 
 def _state_one_by_one(
-    out: dict[str, Any],
-    state: Mapping[Any, Any],
-    prefix: str,
-    on_path: set[int],
-    groups: Iterable[Any] = (),
+    out: dict[str, Any], osd: Mapping[Any, Any], prefix: str, on_path: set[int]
 ) -> int:
     """The ``state.*`` keys of one optimizer, any entry shape (nested state, odd types)."""
+    state = osd[STATE]
     written = 0
     state_prefix = prefix + STATE_PREFIX
     for pid, entry in state.items():
         pkey = state_prefix + key_str(pid, prefix + STATE) + "."
         if not isinstance(entry, Mapping):  # an optimizer-level entry (MADGRAD's state['k'])
-            if any(pid in g.get(PARAMS, ()) for g in groups if isinstance(g, Mapping)):
+            if lists_param(osd, pid):
                 raise LayoutError(
                     f"{pkey[:-1]!r}: the optimizer state of a parameter must be a mapping of "
                     f"state names to values, got {type(entry).__name__}"
@@ -532,11 +530,7 @@ class _Unflattener:
                 spelled = key_str(pid, prefix + STATE)
                 pids[spelled] = pid
                 if not isinstance(entry, Mapping):  # an optimizer-level entry: a leaf
-                    if any(
-                        pid in g.get(PARAMS, ())
-                        for g in like[PARAM_GROUPS]
-                        if isinstance(g, Mapping)
-                    ):
+                    if lists_param(like, pid):
                         raise LayoutError(
                             f"{state_prefix + spelled!r} in like: the optimizer state of a "
                             "parameter must be a mapping"

@@ -152,3 +152,17 @@ def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
             "(get_optimizer_state_dict) or flattened (flatten_optimizer_state_dict=True); "
             "convert one side with dsdmerge.flatten() or dsdmerge.unflatten()."
         )
+
+
+def lists_param(osd: Mapping[Any, Any], pid: Any) -> bool:
+    """Whether a param group of the optimizer state dict ``osd`` lists ``pid`` (int/str ids)."""
+    if type(pid) not in (int, str):
+        return False
+    groups = osd.get(PARAM_GROUPS)
+    for group in groups if isinstance(groups, (list, tuple)) else ():
+        params = group.get(PARAMS) if isinstance(group, Mapping) else None
+        if isinstance(params, (list, tuple)) and any(
+            type(p) is type(pid) and p == pid for p in params
+        ):
+            return True
+    return False

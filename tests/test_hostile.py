@@ -112,12 +112,21 @@ def losses(a: Any, b: Any) -> list[str]:
         flat_m = _or_none(lambda: dm.flatten(merged.state_dict))
         if flat_m is not None:
             extra = flat_m.keys() - flat_a.keys() - flat_b.keys()
-            if (flat_a.keys() | flat_b.keys()) - flat_m.keys() or not all(
-                _group_filled(k, flat_m[k], flat_a, flat_b) for k in extra
-            ):
+            # a nested merge regroups hyperparameters: a parameter the reference dropped is in
+            # no group, one it moved takes its new group's (a checkpoint value, by identity)
+            nested = _or_none(lambda: dm.classify(merged.state_dict)) == "nested"
+            regrouped = {
+                k
+                for k in flat_a
+                if nested
+                and "param_groups." in k
+                and (k not in flat_m or _group_filled(k, flat_m[k], flat_a, flat_b))
+            }
+            lacking = (flat_a.keys() | flat_b.keys()) - flat_m.keys() - regrouped
+            if lacking or not all(_group_filled(k, flat_m[k], flat_a, flat_b) for k in extra):
                 problems.append("merge's keys are not the union of both sides' keys")
             taken = {m.key for m in merged.diff.mismatched if m.shape_differs}
-            if any(flat_m[k] is not v for k, v in flat_a.items() if k not in taken):
+            if any(flat_m[k] is not v for k, v in flat_a.items() if k not in taken | regrouped):
                 problems.append("merge did not keep a checkpoint value by identity")
     return problems
 

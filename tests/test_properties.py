@@ -80,20 +80,75 @@ def test_merging_a_state_dict_over_itself_gives_it_back(pair):
         assert out is not sd
 
 
+def _pg_split(key):
+    """``(optimizer prefix, param id, hyperparameter)`` of a ``param_groups.*`` key, or None."""
+    at = 0 if key.startswith("param_groups.") else key.find(".param_groups.") + 1
+    if at == 0 and not key.startswith("param_groups."):
+        return None
+    head = key[: at + len("param_groups.")]
+    pid, _, name = key[len(head) :].rpartition(".")
+    return head, pid, name
+
+
+def _dead_params(c, r):
+    """Param ids listed in ``c``'s nested param groups that no group of ``r`` lists."""
+
+    def ids(sd):
+        found = []
+        stack = [sd]
+        while stack:
+            node = stack.pop()
+            if dm.is_optimizer_state_dict(node):
+                found.extend(p for g in node["param_groups"] for p in g["params"])
+            elif isinstance(node, dict):
+                stack.extend(v for v in node.values() if isinstance(v, dict))
+        return found
+
+    have = set(ids(r))
+    return [p for p in ids(c) if p not in have]
+
+
+def _regrouped(out, fc, fr):
+    """Checkpoint hyperparameter keys a nested merge regroups: a parameter the reference no
+    longer has is in no group (its key is gone), and a parameter the reference moved to
+    another group takes that group's value (one a checkpoint member holds for the name)."""
+    r_pids = {(p[0], p[1]) for p in map(_pg_split, fr) if p}
+    by_name = {}
+    for key, value in fc.items():
+        parts = _pg_split(key)
+        if parts:
+            by_name.setdefault((parts[0], parts[2]), set()).add(id(value))
+    found = set()
+    for key, value in fc.items():
+        parts = _pg_split(key)
+        if not parts:
+            continue
+        if key not in out:
+            if (parts[0], parts[1]) not in r_pids:
+                found.add(key)
+        elif out[key] is not value and id(out[key]) in by_name[parts[0], parts[2]]:
+            found.add(key)
+    return found
+
+
 @given(pairs)
 def test_checkpoint_precedence_by_identity(pair):
     c, r = pair
     merged = dm.merge_with_diff(c, r, policy=MERGING)
     out, fc, fr = flat(merged.state_dict), flat(c), flat(r)
     taken = _shape_taken(merged)
+    regrouped = _regrouped(out, fc, fr) if dm.classify(c) == "nested" else set()
     # every checkpoint value is kept, the very object, unless torch would reject its shape
-    assert all(out[k] is v for k, v in fc.items() if k not in taken)
+    # (or, nested, the reference regrouped its parameter)
+    assert all(out[k] is v for k, v in fc.items() if k not in taken | regrouped)
     assert all(out[k] is fr[k] for k in taken)
     # everything else comes from the reference, the very object (hyperparameters: see below)
     assert all(out[k] is fr[k] for k in fr.keys() - fc.keys() if not k.startswith("param_groups."))
-    # and every checkpoint leaf is somewhere in the result
+    # and every checkpoint leaf is somewhere in the result (but the name of a parameter the
+    # reference no longer has, in a params list, and what a regrouped one held)
     kept = {id(x) for x in leaves(merged.state_dict)}
-    assert all(id(x) in kept for x in leaves(c) if id(x) not in {id(fc[k]) for k in taken})
+    gone = {id(fc[k]) for k in taken | regrouped} | {id(p) for p in _dead_params(c, r)}
+    assert all(id(x) in kept for x in leaves(c) if id(x) not in gone)
 
 
 def _group_filled(out, fc, fr):
@@ -114,7 +169,8 @@ def test_completeness(pair, drop):
     fo, fc, fr = flat(out), flat(c), flat(r)
     expected = set(fr) if drop else set(fc) | set(fr)
     extra = _group_filled(fo, fc, fr)
-    assert set(fo) - extra == expected
+    regrouped = _regrouped(fo, fc, fr) if dm.classify(c) == "nested" else set()
+    assert set(fo) - extra == expected - {k for k in regrouped if k not in fo}
     assert not extra or dm.classify(out) == "nested"
 
 
@@ -183,8 +239,13 @@ def test_merge_commutes_with_flatten(pair):
     c, r = pair
     via_nested = flat(dm.merge(c, r, policy=MERGING))
     via_flat = dm.merge(flat(c), flat(r), policy=MERGING)
-    assert via_nested.keys() - _group_filled(via_nested, flat(c), flat(r)) == via_flat.keys()
-    assert all(via_nested[k] is via_flat[k] for k in via_flat)
+    # a nested merge knows true group membership: it regroups what the reference moved or
+    # dropped (a flat one cannot tell and keeps the checkpoint's values)
+    regrouped = _regrouped(via_nested, flat(c), flat(r)) if dm.classify(c) == "nested" else set()
+    assert via_nested.keys() - _group_filled(via_nested, flat(c), flat(r)) == via_flat.keys() - {
+        k for k in regrouped if k not in via_nested
+    }
+    assert all(via_nested[k] is via_flat[k] for k in via_flat if k not in regrouped)
 
 
 @given(pairs)
