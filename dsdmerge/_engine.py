@@ -360,7 +360,7 @@ def _finish(
             return lambda: target.__setitem__(key, r[key])
 
         outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
-    backfilled = [k for k in missing if k.startswith(PG_PREFIX)] if merged is not None else []
+    backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
     if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
         _resolve_groups(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
     if missing or conflicts:
@@ -410,7 +410,7 @@ def _prefixed_groups(
     top-level ``param_groups.*`` keys, on the keys under it.
     """
     merged = outcome.merged
-    backfilled = [k for k in outcome.missing if _NESTED_PG in k] if merged is not None else []
+    backfilled = [k for k in outcome.missing if _NESTED_PG in k]
     prefixes = dict.fromkeys(filter(None, map(_group_prefix, backfilled)))
     if conflicts:
         # only keys with ".param_groups." in them (a C-level pass) have a prefix
@@ -426,6 +426,7 @@ def _prefixed_groups(
         if merged is not None and sub.merged:
             merged.update((prefix + k, v) for k, v in sub.merged.items())
         outcome.conflicts.extend(f"{prefix[:-1]!r}: {line}" for line in sub.conflicts)
+        outcome.problems.extend(f"{prefix[:-1]!r}: {line}" for line in sub.problems)
 
 
 _CHUNK = 1024  # keys taken from each side at a time in _align
@@ -743,10 +744,15 @@ class _PgTable:
         else:
             row_of = dict(zip(self.fqns, count()))
             rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
-        if backfilled and outcome.merged is not None:
+        if backfilled:
             fqns = self.fqns
             _backfill_from_groups(
-                c, outcome.merged, backfilled, [[fqns[i] for i in members] for members in rows]
+                c,
+                outcome.merged,
+                backfilled,
+                [[fqns[i] for i in members] for members in rows],
+                inferred=groups is None,
+                problems=outcome.problems,
             )
         if not conflicts:
             return
@@ -799,12 +805,24 @@ def _equal_hyperparameters(rows: Iterable[tuple[Any, Iterable[tuple[str, Any]]]]
 
 
 def _backfill_from_groups(
-    c: Mapping[str, Any], merged: dict[str, Any], backfilled: list[str], groups: list[list[str]]
+    c: Mapping[str, Any],
+    merged: dict[str, Any] | None,
+    backfilled: list[str],
+    groups: list[list[str]],
+    *,
+    inferred: bool,
+    problems: list[str],
 ) -> None:
-    """Give each backfilled ``param_groups.*`` key the value of its group's first member in ``c``.
+    """Give each backfilled ``param_groups.*`` key its group's checkpoint value.
 
-    ``groups`` are lists of fqns; a key keeps the reference's value when no member of its
-    group has one in the checkpoint. Each group and hyperparameter is scanned once.
+    ``groups`` are lists of fqns. The value is the one the checkpoint's members of
+    the group hold (the most common one, the first on a tie, when they disagree:
+    members moved in from another group are the minority); the reference's when
+    no member has one. With ``inferred`` groups (made from equal reference values)
+    members that disagree may be two groups the inference could not tell apart,
+    so no value is picked: a line goes to ``problems`` (the merge is refused).
+    Writes into ``merged`` unless it is ``None`` (a check). Each group and
+    hyperparameter is scanned once.
     """
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     n = len(PG_PREFIX)
@@ -816,14 +834,66 @@ def _backfill_from_groups(
             continue
         value = found.get((index, name), found)
         if value is found:  # first backfilled key of this group and name: scan the group once
-            value = MISSING
-            for member in groups[index]:
-                value = c.get(f"{PG_PREFIX}{member}.{name}", MISSING)
-                if value is not MISSING:
-                    break
+            members = groups[index]
+            keys = [f"{PG_PREFIX}{member}.{name}" for member in members]
+            values = list(map(c.get, keys, repeat(MISSING)))
+            value = _group_value(values)
+            if value is _DISAGREE:
+                if inferred:
+                    problems.append(_ambiguous(index, name, members, values, key))
+                    value = MISSING
+                else:
+                    value = _majority(values)
             found[index, name] = value
-        if value is not MISSING:
+        if value is not MISSING and merged is not None:
             merged[key] = value
+
+
+_DISAGREE: Any = object()
+
+
+def _group_value(values: list[Any]) -> Any:
+    """The one value the present ``values`` share, ``MISSING`` if none, else ``_DISAGREE``."""
+    present = [v for v in values if v is not MISSING]
+    if not present:
+        return MISSING
+    first = present[0]
+    if all(map(is_, present, repeat(first))) or all(same_value(first, v) for v in present):
+        return first
+    return _DISAGREE
+
+
+def _majority(values: list[Any]) -> Any:
+    """The most common present value (by equality; the first of them on a tie)."""
+    kinds: list[list[Any]] = []  # [representative, count]
+    for v in values:
+        if v is MISSING:
+            continue
+        for kind in kinds:
+            if kind[0] is v or same_value(kind[0], v):
+                kind[1] += 1
+                break
+        else:
+            kinds.append([v, 1])
+    best = max(kind[1] for kind in kinds)
+    return next(kind[0] for kind in kinds if kind[1] == best)
+
+
+def _ambiguous(index: int, name: str, members: list[str], values: list[Any], key: str) -> str:
+    shown: list[tuple[str, Any]] = []
+    for member, v in zip(members, values, strict=True):
+        if v is not MISSING and not any(same_value(v, seen) for _, seen in shown):
+            shown.append((member, v))
+        if len(shown) == 2:
+            break
+    (a, va), (b, vb) = shown
+    return (
+        f"param group {index} (inferred from equal reference hyperparameters): its checkpoint "
+        f"members disagree on {name!r} ({a} has {short_repr(va)}, {b} has {short_repr(vb)}), "
+        f"so it may be two groups scheduled apart and the value for {key!r} cannot be told. "
+        "Pass the reference nested (get_optimizer_state_dict without "
+        "flatten_optimizer_state_dict), so that the true groups are known."
+    )
 
 
 def _conflict(group: str, name: str, first: tuple[str, Any], other: tuple[str, Any]) -> str:
@@ -873,11 +943,19 @@ def _group_hyperparameters(
     and the reference's value only when no member has one.
     """
     r_hyper, r_keys = _parse_groups(r)
+    inferred_from_nested = groups is not None
     inferred = " (inferred)" if groups is None else ""
     if groups is None:
         groups = _equal_hyperparameters((fqn, values.items()) for fqn, values in r_hyper.items())
-    if backfilled and outcome.merged is not None:
-        _backfill_from_groups(c, outcome.merged, backfilled, groups)
+    if backfilled:
+        _backfill_from_groups(
+            c,
+            outcome.merged,
+            backfilled,
+            groups,
+            inferred=not inferred_from_nested,
+            problems=outcome.problems,
+        )
     if not conflicts:
         return
     c_get = c.get
