@@ -32,7 +32,7 @@ from dsdmerge.flatten import flatten, unflatten
 from dsdmerge.layout import Layout, classify, is_optimizer_state_dict
 
 # Merging and policies
-from dsdmerge.merge import Merged, check, merge, merge_with_diff
+from dsdmerge.merge import Fresh, Merged, check, merge, merge_with_diff
 from dsdmerge.policy import (
     DEFAULT,
     STRICT,
@@ -62,6 +62,7 @@ __all__ = [
     "TensorMeta",
     "diff",
     # Merging and policies
+    "Fresh",
     "Merged",
     "merge",
     "merge_with_diff",

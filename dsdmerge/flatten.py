@@ -13,7 +13,7 @@ memory, not by Python's recursion limit, and both refuse cycles.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from functools import partial
 from itertools import chain, cycle, filterfalse, islice, repeat
 from operator import add, is_
@@ -440,7 +440,7 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
 
 
 def split_param_key(
-    rest: str, known: Mapping[str, Any], longest: int | None = None
+    rest: str, known: Container[str], longest: int | None = None
 ) -> tuple[str, str] | None:
     """Split ``"<fqn>.<name...>"`` at the longest prefix that is a known fqn.
 

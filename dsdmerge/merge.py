@@ -8,18 +8,35 @@ reject later reported now, naming the keys.
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import Outcome, run
 from dsdmerge._values import short_repr
 from dsdmerge.diff import KeyDiff, Mismatch
 from dsdmerge.errors import DSDMergeWarning, MergeError
-from dsdmerge.policy import Action, Policy, matcher, resolve_policy
+from dsdmerge.flatten import flatten, split_param_key
+from dsdmerge.layout import (
+    PARAM_GROUPS,
+    PARAMS,
+    PG_PREFIX,
+    STATE,
+    STATE_PREFIX,
+    Layout,
+    classify,
+    is_optimizer_state_dict,
+)
+from dsdmerge.policy import Action, InvalidPolicyError, Policy, matcher, resolve_policy
 from dsdmerge.report import format_keys, format_mismatches
 
-__all__ = ["Merged", "check", "merge", "merge_with_diff"]
+__all__ = ["Fresh", "Merged", "check", "merge", "merge_with_diff"]
+
+Fresh = Literal["reference", "as_fresh"]
+"""How a parameter without checkpointed optimizer state is merged: with the
+reference's state (``"reference"``) or without state, to start fresh (``"as_fresh"``)."""
 
 
 class Merged(NamedTuple):
@@ -46,6 +63,7 @@ def merge(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    fresh: Fresh = "reference",
 ) -> dict[Any, Any]:
     """Merge a loaded checkpoint over a fresh reference state dict.
 
@@ -64,6 +82,12 @@ def merge(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
+        fresh: ``"reference"`` backfills the optimizer state of a parameter the
+            checkpoint has no state for from the reference (for DSD's reference:
+            its zero-gradient step, Adam ``step == 1``); ``"as_fresh"`` leaves it
+            without state, so that it starts exactly like in a new optimizer (its
+            keys are still reported missing; load the result nested, as
+            ``set_optimizer_state_dict`` of a flat dict needs every state key).
 
     Returns:
         A new state dict in the checkpoint's layout. A flat result lists the
@@ -90,7 +114,7 @@ def merge(
         (7, 1, 5e-05)
     """
     return _merge(
-        checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4
+        checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4, fresh=fresh
     ).state_dict
 
 
@@ -102,6 +126,7 @@ def merge_with_diff(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    fresh: Fresh = "reference",
 ) -> Merged:
     """Like :func:`merge`, but also return the :class:`~dsdmerge.KeyDiff`, from the same pass.
 
@@ -113,6 +138,7 @@ def merge_with_diff(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
+        fresh: ``"reference"`` or ``"as_fresh"`` (see :func:`merge`).
 
     Returns:
         ``Merged(state_dict, diff, conflicts)``.
@@ -123,7 +149,9 @@ def merge_with_diff(
         >>> sd, d.missing
         ({'a': 1, 'b': 2}, ('b',))
     """
-    return _merge(checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4)
+    return _merge(
+        checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4, fresh=fresh
+    )
 
 
 def check(
@@ -163,7 +191,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
-    return _apply(outcome, pol, stacklevel=3)[0]
+    return _apply(outcome, pol, stacklevel=3, reference=reference)[0]
 
 
 def _merge(
@@ -174,7 +202,12 @@ def _merge(
     allow_unexpected: str | Iterable[str],
     *,
     stacklevel: int,
+    fresh: Fresh = "reference",
 ) -> Merged:
+    if fresh not in ("reference", "as_fresh"):
+        raise InvalidPolicyError(
+            f"fresh must be 'reference' or 'as_fresh', got {short_repr(fresh)}"
+        )
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     outcome = run(
         checkpoint,
@@ -183,15 +216,145 @@ def _merge(
         keep_unexpected=not pol.drop_unexpected,
         conflicts=pol.conflict != "ignore",
     )
-    diff, conflicts = _apply(outcome, pol, stacklevel=stacklevel)
+    diff, conflicts = _apply(outcome, pol, stacklevel=stacklevel, reference=reference)
     for m in diff.mismatched:
-        if m.shape_differs:  # not raised: torch would reject the checkpoint's tensor
+        if reshaped(m):  # not raised: torch would reject the checkpoint's tensor
             outcome.take_reference[m.key]()
     assert outcome.merged is not None
-    return Merged(outcome.merged, diff, conflicts)
+    merged = outcome.merged
+    if fresh == "as_fresh" and diff.missing:
+        merged = _without_fresh_state(merged, checkpoint, diff.missing)
+    return Merged(_with_metadata(merged, checkpoint, reference), diff, conflicts)
 
 
-def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDiff, tuple[str, ...]]:
+def _without_fresh_state(
+    merged: dict[Any, Any], checkpoint: Mapping[Any, Any], missing: Sequence[str]
+) -> dict[Any, Any]:
+    """``merged`` without the backfilled state of parameters the checkpoint has no state for.
+
+    Nested optimizer state dicts (also inside whole checkpoints) lose those
+    parameters' entries; flat ones their ``state.<fqn>.*`` keys.
+    """
+    if classify(merged) is Layout.FLAT:
+        return _flat_without_fresh_state(merged, checkpoint, missing)
+    out = dict(merged)
+    stack: list[tuple[dict[Any, Any], Any, str]] = [(out, checkpoint, "")]
+    while stack:
+        node, c_node, prefix = stack.pop()
+        if is_optimizer_state_dict(node):
+            c_state = c_node.get(STATE) if isinstance(c_node, Mapping) else None
+            c_state = c_state if isinstance(c_state, Mapping) else {}
+            members = {
+                pid
+                for g in node[PARAM_GROUPS]
+                if isinstance(g, Mapping)
+                for pid in g.get(PARAMS, ())
+                if isinstance(pid, (int, str))
+            }
+            node[STATE] = {
+                pid: entry
+                for pid, entry in node[STATE].items()
+                if pid in c_state or pid not in members
+            }
+            continue
+        for k, v in node.items():
+            if not isinstance(v, dict):
+                continue
+            c_child = c_node.get(k) if isinstance(c_node, Mapping) else None
+            key = f"{prefix}{k}."
+            if classify(v) is Layout.FLAT:  # a flattened optimizer inside a whole checkpoint
+                if isinstance(c_child, Mapping):
+                    sub = [m[len(key) :] for m in missing if m.startswith(key)]
+                    node[k] = _flat_without_fresh_state(v, c_child, sub) if sub else v
+                continue
+            child = dict(v)
+            node[k] = child
+            stack.append((child, c_child, key))
+    return out
+
+
+def _flat_without_fresh_state(
+    merged: dict[Any, Any], checkpoint: Mapping[Any, Any], missing: Sequence[str]
+) -> dict[Any, Any]:
+    fqns: dict[str, set[str]] = {}  # "<prefix>state." -> the fqns of its param_groups keys
+    stateful: dict[str, set[str]] = {}  # "<prefix>state." -> fqns the checkpoint has state for
+    drop = []
+    for key in missing:
+        at = 0 if key.startswith(STATE_PREFIX) else key.find("." + STATE_PREFIX) + 1
+        if at == 0 and not key.startswith(STATE_PREFIX):
+            continue
+        head = key[: at + len(STATE_PREFIX)]
+        if head not in fqns:
+            groups = head[: -len(STATE_PREFIX)] + PG_PREFIX
+            known = {k[len(groups) :].rpartition(".")[0] for k in merged if k.startswith(groups)}
+            known.discard("")
+            fqns[head] = known
+            longest = max(map(len, known), default=0)
+            have = set()
+            for k in checkpoint:
+                if type(k) is str and k.startswith(head):
+                    found = split_param_key(k[len(head) :], known, longest)
+                    if found is not None:
+                        have.add(found[0])
+            stateful[head] = have
+        found = split_param_key(key[len(head) :], fqns[head])
+        if found is not None and found[0] not in stateful[head]:
+            drop.append(key)
+    if not drop:
+        return merged
+    gone = set(drop)
+    return {k: v for k, v in merged.items() if k not in gone}
+
+
+def _with_metadata(
+    merged: dict[Any, Any], checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]
+) -> dict[Any, Any]:
+    """``merged`` with the ``_metadata`` of module state dicts (the checkpoint's wins).
+
+    ``nn.Module.state_dict()`` returns an ``OrderedDict`` whose ``_metadata``
+    attribute holds each module's version, which ``load_state_dict`` passes to the
+    modules' load hooks (quantized and older modules need it). A new
+    ``OrderedDict`` carries the union; the per-module entries are shared.
+    """
+    c_meta = getattr(checkpoint, "_metadata", None)
+    r_meta = getattr(reference, "_metadata", None)
+    if not isinstance(c_meta, Mapping) and not isinstance(r_meta, Mapping):
+        return merged
+    out: dict[Any, Any] = OrderedDict(merged)
+    meta: OrderedDict[Any, Any] = OrderedDict()
+    for part in (r_meta, c_meta):
+        if isinstance(part, Mapping):
+            meta.update(part)
+    out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def reshaped(m: Mismatch) -> bool:
+    """Whether a mismatch is a real change of shape (not a 0-d against a 1-element tensor).
+
+    A scalar kept as ``tensor(3.)`` in one place and ``tensor([3.])`` in another
+    (optimizers' ``step`` across versions and options) holds the same one value.
+    """
+    if not m.shape_differs:
+        return False
+    return not (_numel(m.checkpoint.shape) == 1 and _numel(m.reference.shape) == 1)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _optimizer_key(key: str) -> bool:
+    """Whether a flat key spells optimizer state (``state.<fqn>.<name>``, maybe under a prefix)."""
+    return key.startswith(STATE_PREFIX) or ("." + STATE_PREFIX) in key
+
+
+def _apply(
+    outcome: Outcome, policy: Policy, *, stacklevel: int, reference: Mapping[Any, Any]
+) -> tuple[KeyDiff, tuple[str, ...]]:
     """Decide, per kind of difference, whether to stay quiet, warn or raise."""
     diff = KeyDiff(tuple(outcome.missing), tuple(outcome.unexpected), tuple(outcome.mismatches))
     conflicts = tuple(outcome.conflicts)
@@ -199,9 +362,18 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
     allowed_unexpected = matcher(policy.allow_unexpected)
     missing = [k for k in diff.missing if not allowed_missing(k)]
     unexpected = [k for k in diff.unexpected if not allowed_unexpected(k)]
-    shape = [m for m in diff.mismatched if m.shape_differs]
-    dtype = [m for m in diff.mismatched if m.dtype_differs and not m.shape_differs]
+    shape = [m for m in diff.mismatched if reshaped(m)]
+    dtype = [m for m in diff.mismatched if m.dtype_differs and not reshaped(m)]
     findings: list[tuple[Action, str]] = []
+    problems = list(outcome.problems)
+    if (
+        policy.unrelated != "ignore"
+        and (missing or unexpected)
+        and diff.missing
+        and diff.unexpected
+        and _shares_nothing(diff, reference)
+    ):
+        findings.append((policy.unrelated, _nothing_shared(diff)))
     if missing:
         findings.append(
             (
@@ -227,22 +399,31 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
                 ),
             )
         )
-    if shape:
-        findings.append(
-            (
-                policy.shape,
-                _mismatch_line(
+    model_shape = [m for m in shape if not _optimizer_key(m.key)]
+    state_shape = [m for m in shape if _optimizer_key(m.key)]
+    for items, consequence in (
+        (model_shape, "torch would reject them on load"),
+        (
+            state_shape,
+            "torch's optimizers load state without checking its shape, and the next step "
+            "would fail or broadcast it silently",
+        ),
+    ):
+        if items:
+            findings.append(
+                (
                     policy.shape,
-                    shape,
-                    "shape",
-                    "torch would reject them on load. If the model changed shape on purpose, "
-                    "merge with dsdmerge.Policy(shape='warn') to take the reference's tensors"
-                    if policy.shape == "raise"
-                    else "torch would reject the checkpoint's tensors, so the reference's "
-                    "were taken",
-                ),
+                    _mismatch_line(
+                        policy.shape,
+                        items,
+                        "shape",
+                        f"{consequence}. If the model changed shape on purpose, merge with "
+                        "dsdmerge.Policy(shape='warn') to take the reference's tensors"
+                        if policy.shape == "raise"
+                        else f"{consequence}, so the reference's were taken",
+                    ),
+                )
             )
-        )
     if dtype:
         findings.append(
             (
@@ -255,10 +436,10 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
                 ),
             )
         )
-    for line in conflicts:
-        findings.append((policy.conflict, line))
+    if conflicts:  # one finding (one warning at most) for all of them
+        findings.append((policy.conflict, "\n    ".join(conflicts)))
     errors = [text for action, text in findings if action == "raise"]
-    errors.extend(outcome.problems)
+    errors.extend(problems)
     if errors:
         message = f"policy {short_repr(policy.name)} rejected the merge:\n" + "\n".join(
             f"  - {text}" for text in errors
@@ -268,6 +449,67 @@ def _apply(outcome: Outcome, policy: Policy, *, stacklevel: int) -> tuple[KeyDif
         if action == "warn":
             warnings.warn(DSDMergeWarning(f"dsdmerge: {text}"), stacklevel=stacklevel)
     return diff, conflicts
+
+
+def _shares_nothing(diff: KeyDiff, reference: Mapping[Any, Any]) -> bool:
+    """Whether no key of the reference is in the checkpoint (every one of them is missing)."""
+    if classify(reference) is Layout.FLAT:
+        return len(diff.missing) >= len(reference)
+    return len(diff.missing) >= len(flatten(reference))
+
+
+# wrappers whose module prefix ends up in saved keys (DDP, torch.compile, activation
+# checkpointing, FSDP1, PEFT)
+_WRAPPERS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def _likely_prefix(from_keys: Sequence[str], to_keys: Sequence[str]) -> str | None:
+    """A prefix that, removed from ``from_keys``, gives some of ``to_keys``."""
+    targets = set(to_keys)
+    counts: dict[str, int] = {}
+    for key in from_keys[:1000]:
+        at = 0
+        for _ in range(4):  # up to four leading segments
+            at = key.find(".", at) + 1
+            if at <= 0:
+                break
+            if key[at:] in targets:
+                counts[key[:at]] = counts.get(key[:at], 0) + 1
+                break
+    if not counts:
+        for key in from_keys[:1000]:  # wrapper segments anywhere (FSDP1, checkpointing)
+            stripped = key
+            for w in _WRAPPERS:
+                stripped = stripped.replace(w, "")
+            if stripped != key and stripped in targets:
+                return next(w for w in _WRAPPERS if w in key)
+        return None
+    return max(counts, key=lambda p: counts[p])
+
+
+def _nothing_shared(diff: KeyDiff) -> str:
+    text = (
+        f"the checkpoint and the reference share no keys (all {len(diff.missing)} reference "
+        f"key(s) are missing from the checkpoint, {len(diff.unexpected)} checkpoint key(s) "
+        "are unexpected): merging would keep none of the checkpoint"
+    )
+    strip = _likely_prefix(diff.unexpected, diff.missing)
+    add = None if strip else _likely_prefix(diff.missing, diff.unexpected)
+    if strip:
+        pattern = "^" + re.escape(strip)
+        text += (
+            f". The checkpoint's keys look like the reference's with the prefix {strip!r} "
+            f"(a wrapper such as DDP or torch.compile adds one): strip it with "
+            f"rename={{{pattern!r}: ''}} (CLI: --strip-prefix {strip})"
+        )
+    elif add:
+        text += (
+            f". The reference's keys look like the checkpoint's with the prefix {add!r}: "
+            "pass the state dict of the unwrapped model, or add the prefix to the checkpoint"
+        )
+    else:
+        text += " (is it the checkpoint of another model, or another part of it?)"
+    return text + ". To merge anyway, allow-list every key (allow_missing, allow_unexpected)."
 
 
 def _keys_line(action: Action, keys: Sequence[str], what: str, allow: str) -> str:

@@ -16,6 +16,7 @@ tensor dtype mismatch     kept         kept +        error
                                        warning
 group hyperparameter      -            warning       error
 conflict
+no key shared (unrelated) error        error         error
 ========================  ===========  ============  ============
 
 Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
@@ -74,6 +75,10 @@ class Policy:
         dtype: For tensors whose dtypes differ.
         conflict: For checkpoint members of one param group that disagree on a
             hyperparameter (torch silently uses the first member's value).
+        unrelated: For a checkpoint that shares no key with the reference (a
+            wrapper's prefix such as DDP's ``module.``, or another model): a
+            merge would keep none of it. Not raised when allow-lists cover every
+            differing key.
         allow_missing: fnmatch globs over flat keys; matching missing keys are
             backfilled without a word.
         allow_unexpected: fnmatch globs over flat keys; matching unexpected keys
@@ -94,13 +99,14 @@ class Policy:
     shape: Action = "raise"
     dtype: Action = "ignore"
     conflict: Action = "ignore"
+    unrelated: Action = "raise"
     allow_missing: tuple[str, ...] = ()
     allow_unexpected: tuple[str, ...] = ()
     drop_unexpected: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("missing", "unexpected", "shape", "dtype", "conflict"):
+        for field in ("missing", "unexpected", "shape", "dtype", "conflict", "unrelated"):
             action = getattr(self, field)
             if action not in _ACTIONS:
                 raise InvalidPolicyError(

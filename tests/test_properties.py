@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dsdmerge as dm
+from dsdmerge.merge import reshaped
 from dsdmerge.report import format_keys
 from dsdmerge.strategies import (
     checkpoint_pairs,
@@ -25,7 +26,7 @@ from dsdmerge.strategies import (
 )
 
 # Shape mismatches raise under every built-in policy; most laws are about what merges.
-MERGING = dm.DEFAULT.replace(shape="ignore")
+MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore")
 
 
 def _pairs(**kw):
@@ -58,7 +59,7 @@ def flat(sd):
 
 
 def _shape_taken(merged):
-    return {m.key for m in merged.diff.mismatched if m.shape_differs}
+    return {m.key for m in merged.diff.mismatched if reshaped(m)}
 
 
 # -- merge -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsdmerge._engine import copy_tree, run
 from dsdmerge.diff import KeyDiff
@@ -63,7 +63,7 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     require_mapping,
 )
-from dsdmerge.merge import _apply, _merge
+from dsdmerge.merge import Fresh, _apply, _merge
 from dsdmerge.policy import InvalidPolicyError, Policy, resolve_policy
 
 if TYPE_CHECKING:
@@ -80,9 +80,6 @@ __all__ = [
     "resume_model",
     "resume_optimizer",
 ]
-
-Fresh = Literal["reference", "as_fresh"]
-"""How a parameter without checkpointed optimizer state resumes (see the module docstring)."""
 
 _FRESH: tuple[Fresh, ...] = ("reference", "as_fresh")
 _PARAM_NAMES = "param_names"
@@ -621,7 +618,7 @@ def load_dcp(
     view, metadata = read_dcp_metadata(where, trusted=trusted)
     # the policy's verdict before any data is read (warnings point at our caller)
     outcome = run(view, state_dict, merge=False, conflicts=pol.conflict != "ignore")
-    diff = _apply(outcome, pol, stacklevel=3)[0]
+    diff = _apply(outcome, pol, stacklevel=3, reference=state_dict)[0]
     target = copy_tree(state_dict)
     if diff.mismatched:
         shape = {m.key for m in diff.mismatched if m.shape_differs}

@@ -1,0 +1,242 @@
+"""Issue 10's small truths, on merge/diff/flatten directly: what torch keeps is kept.
+
+Keys beside state and param_groups, optimizer-level state entries, regrouped
+parameters, a total mismatch, module ``_metadata``, scalar ``step`` shapes, one warning
+per kind, and ``fresh="as_fresh"``.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dsdmerge as dm
+
+
+def osd(groups, state=None, **extra):
+    return {"state": state or {}, "param_groups": groups, **extra}
+
+
+# -- what torch carries through ---------------------------------------------------------
+
+
+def test_heavyball_style_top_level_key_is_kept_by_merge_and_flatten():
+    hb = {"step": 12, "schedule": torch.ones(2)}
+    c = osd([{"lr": 0.1, "params": [0]}], {0: {"step": torch.tensor(3.0)}}, heavyball=hb)
+    r = osd([{"lr": 0.2, "params": [0]}], {0: {"step": torch.tensor(0.0)}})
+    out, diff, _ = dm.merge_with_diff(c, r)
+    assert out["heavyball"]["schedule"] is hb["schedule"]
+    assert out["heavyball"]["step"] == 12
+    assert diff.unexpected == ("heavyball.step", "heavyball.schedule")
+    flat = dm.flatten(c)
+    assert flat["heavyball.schedule"] is hb["schedule"]
+    assert dm.unflatten(flat, like=c)["heavyball"] == hb
+
+
+def test_madgrad_style_optimizer_level_state_entry_is_a_leaf_and_kept():
+    k = torch.tensor([7])
+    c = osd([{"lr": 0.1, "params": [0, 1]}], {0: {"s": torch.ones(2)}, "k": k})
+    r = osd([{"lr": 0.1, "params": [0, 1]}], {"k": torch.tensor([0])})
+    out = dm.merge(c, r)
+    assert out["state"]["k"] is k
+    assert dm.flatten(c)["state.k"] is k
+    assert dm.unflatten(dm.flatten(c), like=c)["state"]["k"] is k
+    # a parameter's state that is a leaf stays malformed
+    with pytest.raises(dm.LayoutError, match="must be a mapping"):
+        dm.merge(osd([{"lr": 0.1, "params": [0]}], {0: torch.ones(1)}), r)
+
+
+# -- param groups -----------------------------------------------------------------------
+
+
+def test_a_moved_parameter_takes_its_new_groups_hyperparameters_nested():
+    # biases moved from the decay group to the no-decay group
+    c = osd(
+        [
+            {"lr": 5e-5, "weight_decay": 0.1, "params": ["w1", "w2", "b"]},
+            {"lr": 5e-5, "weight_decay": 0.0, "params": ["n1", "n2"]},
+        ]
+    )
+    r = osd(
+        [
+            {"lr": 1e-3, "weight_decay": 0.1, "params": ["w1", "w2"]},
+            {"lr": 1e-3, "weight_decay": 0.0, "params": ["n1", "n2", "b"]},
+        ]
+    )
+    with pytest.warns(dm.DSDMergeWarning, match="b moved") as record:
+        merged = dm.merge_with_diff(c, r, policy="warn")
+    assert len(record) == 1
+    groups = merged.state_dict["param_groups"]
+    assert groups[1]["params"] == ["n1", "n2", "b"]
+    assert groups[1]["weight_decay"] == 0.0  # b takes its new group's decay
+    assert groups[1]["lr"] == 5e-5  # and the scheduled lr, not the fresh one
+    with pytest.raises(dm.MergeError, match="moved"):
+        dm.merge(c, r, policy="strict")
+
+
+def test_majority_decides_a_groups_checkpoint_group():
+    c = osd(
+        [
+            {"lr": 1.0, "params": ["a"]},
+            {"lr": 2.0, "params": ["b", "c"]},
+        ]
+    )
+    r = osd([{"lr": 9.0, "params": ["a", "b", "c"]}])
+    assert dm.merge(c, r)["param_groups"][0]["lr"] == 2.0
+
+
+def test_a_parameter_listed_twice_is_refused_everywhere():
+    bad = osd([{"lr": 1, "params": ["w"]}, {"lr": 2, "params": ["w"]}])
+    good = osd([{"lr": 1, "params": ["w"]}])
+    for call in (
+        dm.flatten,
+        lambda x: dm.merge(x, good),
+        lambda x: dm.merge(good, x),
+        lambda x: dm.diff(x, good),
+    ):
+        with pytest.raises(dm.LayoutError, match="w"):
+            call(bad)
+
+
+def test_a_lost_parameter_without_state_leaves_the_group_size_torch_expects():
+    model = nn.Linear(2, 2)
+    c = osd(
+        [{"lr": 0.1, "params": ["weight", "bias", "gone"]}], {"weight": {"m": torch.ones(2, 2)}}
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    r = osd([{**optim.param_groups[0], "params": ["weight", "bias"]}])
+    out = dm.merge(c, r)
+    assert out["param_groups"][0]["params"] == ["weight", "bias"]
+    optim.load_state_dict(  # torch maps by position: the sizes must agree
+        {
+            "state": {0: out["state"]["weight"]},
+            "param_groups": [{**out["param_groups"][0], "params": [0, 1]}],
+        }
+    )
+
+
+def test_nested_drop_unexpected_drops_checkpoint_only_hyperparameters_as_flat_does():
+    c = osd([{"lr": 0.1, "initial_lr": 1.0, "params": ["w"]}])
+    r = osd([{"lr": 0.2, "params": ["w"]}])
+    policy = dm.DEFAULT.replace(drop_unexpected=True)
+    assert "initial_lr" not in dm.merge(c, r, policy=policy)["param_groups"][0]
+    assert "param_groups.w.initial_lr" not in dm.merge(dm.flatten(c), dm.flatten(r), policy=policy)
+    assert dm.merge(c, r)["param_groups"][0]["initial_lr"] == 1.0  # kept by default
+
+
+def test_ambiguous_inferred_groups_refuse_to_pick_a_learning_rate():
+    # two groups built with equal values, then scheduled apart (a LambdaLR per group): a flat
+    # reference cannot tell them apart, so a new parameter's lr would be a guess
+    c = {"param_groups.a.lr": 5e-5, "param_groups.b.lr": 1e-5}
+    r = {"param_groups.a.lr": 1e-3, "param_groups.new.lr": 1e-3, "param_groups.b.lr": 1e-3}
+    for policy in ("default", "warn", "strict"):
+        with pytest.raises(dm.MergeError, match=r"'param_groups.new.lr' cannot be told"):
+            dm.merge(c, r, policy=policy, allow_missing="*")
+    with pytest.raises(dm.MergeError, match="cannot be told"):
+        dm.check(c, r)
+    # with the true groups (a nested reference), the new parameter joins its own group
+    nested = osd([{"lr": 1e-3, "params": ["a", "new"]}, {"lr": 1e-3, "params": ["b"]}])
+    assert dm.merge(c, nested)["param_groups.new.lr"] == 5e-5
+
+
+# -- refusals and messages ------------------------------------------------------------------
+
+
+def test_a_total_mismatch_is_refused_naming_the_prefix():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    for policy in ("default", "warn", "strict"):
+        with pytest.raises(dm.MergeError, match=r"share no keys.*prefix 'module\.'"):
+            dm.merge(wrapped, model.state_dict(), policy=policy)
+    # the other way round: the reference is wrapped
+    with pytest.raises(dm.MergeError, match=r"reference's keys look like .* prefix '_orig_mod\.'"):
+        dm.merge(model.state_dict(), {f"_orig_mod.{k}": v for k, v in model.state_dict().items()})
+    # allow-lists that cover every key let it through, as does a policy that says so
+    dm.merge(wrapped, model.state_dict(), allow_missing="*", allow_unexpected="module.*")
+    dm.merge(wrapped, model.state_dict(), policy=dm.DEFAULT.replace(unrelated="ignore"))
+
+
+def test_resume_model_refuses_a_ddp_checkpoint_and_leaves_the_model_untouched():
+    from dsdmerge.integrations import resume_model
+
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ddp = {f"module.{k}": torch.ones_like(v) for k, v in model.state_dict().items()}
+    with pytest.raises(dm.MergeError, match="module"):
+        resume_model(model, ddp)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_module_metadata_is_kept():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    grown = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    out = dm.merge(loaded, grown.state_dict())
+    assert out._metadata["1"] == {"version": 2}  # the checkpoint's
+    assert "2" in out._metadata  # and the new module's, from the reference
+    grown.load_state_dict(out)
+
+
+def test_a_scalar_step_in_another_shape_is_no_shape_change():
+    c = osd([{"lr": 0.1, "params": ["w"]}], {"w": {"step": torch.tensor([3.0])}})
+    r = osd([{"lr": 0.1, "params": ["w"]}], {"w": {"step": torch.tensor(1.0)}})
+    out, diff, _ = dm.merge_with_diff(c, r, policy="strict")
+    assert out["state"]["w"]["step"] is c["state"]["w"]["step"]
+    assert diff.mismatched_keys == ("state.w.step",)  # reported, not refused
+
+
+def test_shape_text_says_torch_rejects_only_model_tensors():
+    c = {"w": torch.zeros(2), "state.w.exp_avg": torch.zeros(2)}
+    r = {"w": torch.zeros(3), "state.w.exp_avg": torch.zeros(3)}
+    with pytest.raises(dm.MergeError) as err:
+        dm.merge(c, r)
+    model_line, state_line = err.value.problems
+    assert "'w'" in model_line
+    assert "torch would reject them on load" in model_line
+    assert "state.w.exp_avg" in state_line
+    assert "without checking its shape" in state_line
+
+
+def test_at_most_one_warning_per_kind():
+    c = {f"param_groups.{p}.lr": lr for p, lr in (("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 2.0))}
+    r = osd(
+        [
+            {"lr": 0.5, "params": ["a", "b"]},
+            {"lr": 0.5, "params": ["c", "d"]},
+            {"lr": 0.5, "params": ["x"]},
+        ]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.merge(c, r, policy="warn")
+    kinds = [str(w.message).split(":")[1].strip()[:20] for w in caught]
+    assert len(caught) == len(set(kinds)), kinds
+
+
+# -- fresh ------------------------------------------------------------------------------------
+
+
+def test_merge_as_fresh_leaves_parameters_without_checkpointed_state_stateless():
+    ckpt = {"state.w.step": 7, "param_groups.w.lr": 5e-5, "param_groups.idx.lr": 5e-5}
+    fresh = {
+        "state.w.step": 1,
+        "state.idx.step": 1,
+        "param_groups.w.lr": 1e-3,
+        "param_groups.idx.lr": 1e-3,
+    }
+    out, diff, _ = dm.merge_with_diff(ckpt, fresh, fresh="as_fresh")
+    assert "state.idx.step" not in out
+    assert diff.missing == ("state.idx.step",)
+    nested = dm.merge(dm.unflatten(ckpt), dm.unflatten(fresh), fresh="as_fresh")
+    assert set(nested["state"]) == {"w"}
+    whole = dm.merge({"optim": ckpt}, {"optim": fresh}, fresh="as_fresh")
+    assert "idx" not in dm.unflatten(whole["optim"])["state"]
+    with pytest.raises(dm.InvalidPolicyError, match="fresh"):
+        dm.merge(ckpt, fresh, fresh="new")  # type: ignore[arg-type]
