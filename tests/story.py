@@ -18,11 +18,13 @@ import copy
 import dataclasses
 import inspect
 import math
+import random
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -379,10 +381,12 @@ def step(run: Run, i: int, *, have_grads: bool = False, wake: bool = False) -> N
 
     ``wake``: the indexer gets a gradient in this step (its first real step).
 
-    The global RNG is seeded per step, so optimizers that draw random numbers
-    (Hutchinson estimates, PSGD) draw the same ones in every run.
+    The global RNGs (torch, numpy, random) are seeded per step, so optimizers that draw
+    random numbers (Hutchinson estimates, PSGD's balancing) draw the same ones in every run.
     """
     torch.manual_seed(2000 + i)
+    np.random.seed(2000 + i)
+    random.seed(2000 + i)
     if run.spec.closure:
         run.optim.step(lambda: backward(run, i, wake=wake))
     else:
