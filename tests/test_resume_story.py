@@ -290,6 +290,13 @@ def test_resume_after_forward_backward(spec, layout, stories, monkeypatch):
     run, _, _ = resume(spec, st, layout, grads_first=True)
     grads = {n: p.grad for n, p in run.model.named_parameters()}
     assert any(g is not None for g in grads.values())
+    fail_with(
+        story.tree_differences(
+            story.without_empty_entries(st.saved),
+            story.without_empty_entries(run.optim.state_dict()),
+        ),
+        f"{spec.id} {layout}: resumed (after a forward/backward) vs saved, before the step",
+    )
     story.step(run, N_STEPS, have_grads=True)
     fail_with(
         story.run_differences(st.final, run),
