@@ -507,6 +507,20 @@ def make_story(spec: Spec, where: Path, **model_kwargs: Any) -> Story:
     )
 
 
+def nested_to_ids(nested: Mapping[str, Any], run: Run) -> dict[str, Any]:
+    """DSD's fqn-keyed optimizer state dict with int ids, as ``optimizer.state_dict()`` numbers
+    them (position over the groups' params); no other change."""
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    params = [p for g in run.optim.param_groups for p in g["params"]]
+    ids = {names[id(p)]: i for i, p in enumerate(params)}
+    return {
+        "state": {ids.get(k, k): v for k, v in nested["state"].items()},
+        "param_groups": [
+            {**g, "params": [ids.get(f, f) for f in g["params"]]} for g in nested["param_groups"]
+        ],
+    }
+
+
 def load(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)
 
@@ -533,12 +547,14 @@ def tree_differences(expected: Any, actual: Any, path: str = "") -> list[str]:
             return [f"{path}: tensor values differ (max abs diff {_max_diff(e, a)})"]
         return []
     if isinstance(expected, Mapping) and isinstance(actual, Mapping):
-        for key in expected.keys() - actual.keys():
-            out.append(f"{path}[{key!r}]: missing (expected {_short(expected[key])})")
-        for key in actual.keys() - expected.keys():
-            out.append(f"{path}[{key!r}]: unexpected ({_short(actual[key])})")
-        for key in expected.keys() & actual.keys():
-            out.extend(tree_differences(expected[key], actual[key], f"{path}[{key!r}]"))
+        for key in expected:  # in the expected tree's order: reports read the same every run
+            if key not in actual:
+                out.append(f"{path}[{key!r}]: missing (expected {_short(expected[key])})")
+            else:
+                out.extend(tree_differences(expected[key], actual[key], f"{path}[{key!r}]"))
+        for key in actual:
+            if key not in expected:
+                out.append(f"{path}[{key!r}]: unexpected ({_short(actual[key])})")
         return out
     if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
         if type(expected) is not type(actual) or len(expected) != len(actual):

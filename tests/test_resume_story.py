@@ -73,7 +73,12 @@ class Stories:
 
 
 def plain_torch_resume(spec: Spec, st: Story, *, dsd: bool = False) -> str | None:
-    """The story with torch's own loader: ``Optimizer.load_state_dict`` of the int-id file."""
+    """The story with torch's own loader: ``Optimizer.load_state_dict`` of the int-id file.
+
+    ``dsd``: first check that DSD's nested file holds what ``optimizer.state_dict()`` holds
+    (``state`` and ``param_groups``, fqns mapped back to ids); then, if the optimizer has other
+    top-level keys (DSD drops them), the same load without them.
+    """
     if "int" not in st.files:
         return f"{spec.id}: torch cannot save its optimizer.state_dict(): {st.save_errors['int']}"
     try:
@@ -82,11 +87,20 @@ def plain_torch_resume(spec: Spec, st: Story, *, dsd: bool = False) -> str | Non
         return f"{spec.id}: torch.load(weights_only=True) refuses its state dict: {err}"
     optim_sd = loaded["optim"]
     dropped = sorted(k for k in optim_sd if k not in ("state", "param_groups"))
-    if dsd:
-        if not dropped:
-            return None  # the same state dict as the int-id control
-        optim_sd = {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]}
     run = story.build(spec)
+    if dsd:
+        if "nested" not in st.files:
+            return f"{spec.id}: DSD's get_optimizer_state_dict cannot save it: {st.save_errors}"
+        # what DSD saved (fqn-keyed) is what optimizer.state_dict() saved, id for id
+        lost = story.tree_differences(
+            {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]},
+            story.nested_to_ids(story.load(st.files["nested"])["optim"], run),
+        )
+        if lost:
+            return f"{spec.id}: DSD's nested save differs from optimizer.state_dict(): {lost[:3]}"
+        if not dropped:
+            return None  # then the int-id control's load is exactly this one
+        optim_sd = {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]}
     try:
         run.model.load_state_dict(loaded["model"])
         run.optim.load_state_dict(optim_sd)
