@@ -252,7 +252,8 @@ def test_story(spec, layout, mode, stories, monkeypatch):
             story.without_empty_entries(st.saved),
             story.without_empty_entries(run.optim.state_dict()),
         ),
-        f"{spec.id} {layout} {mode}: resumed optimizer state vs saved (before the next step)",
+        f"{spec.id} {layout} {mode}: resumed optimizer state vs saved, before the next step "
+        f"(the indexer is ids {st.indexer_ids}; ids are positions over the groups' params)",
     )
     story.after_save(run)
     story.step(run, N_STEPS)
