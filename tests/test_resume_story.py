@@ -478,36 +478,41 @@ def test_grown_model_under_strict_with_allow_lists(spec, layout, stories, monkey
     assert any(".old." in k for k in diff.unexpected), diff
     assert any(".adapter." in k for k in diff.missing), diff
 
-    # surviving params: trained state bit-identical; the removed one's state not loaded
-    resumed = {k: v for k, v in story.state_by_fqn(run).items() if v}
-    survivors = {k: v for k, v in st.saved_by_fqn.items() if not k.startswith("old.")}
-    fail_with(
-        story.tree_differences(
-            survivors, {k: v for k, v in resumed.items() if not k.startswith("adapter.")}
-        ),
-        f"{spec.id} {layout} grown: surviving params' state vs the checkpoint",
-    )
-    # the new params: exactly the state a never-checkpointed optimizer gives them
-    for name in ("adapter.weight", "adapter.bias"):
-        fail_with(
-            story.tree_differences(
-                dict(never.optim.state.get(never.model.get_parameter(name), {})),
-                dict(run.optim.state.get(run.model.get_parameter(name), {})),
-            ),
-            f"{spec.id} {layout} grown: {name} state vs a never-checkpointed optimizer",
-        )
-    # every group: the checkpoint's scheduled hyperparameters, not the fresh ones
+    # every check before the next step, all reported together
+    problems: list[str] = []
+    # every group: the checkpoint's scheduled hyperparameters (lr included), not the fresh ones
     for i, (group, saved) in enumerate(
         zip(run.optim.param_groups, st.saved["param_groups"], strict=True)
     ):
-        assert group["lr"] == saved["lr"] != never.optim.param_groups[i]["lr"], i
-        fail_with(
-            story.tree_differences(
+        if group["lr"] == never.optim.param_groups[i]["lr"] != saved["lr"]:
+            problems.append(f"param_groups[{i}]: the fresh lr {group['lr']}, not the scheduled one")
+        problems += [
+            f"param_groups[{i}] vs the checkpoint: {d}"
+            for d in story.tree_differences(
                 {k: v for k, v in saved.items() if k != "params"},
                 {k: v for k, v in group.items() if k != "params"},
-            ),
-            f"{spec.id} {layout} grown: param_groups[{i}] hyperparameters vs the checkpoint",
+            )
+        ]
+    # the new params: exactly the state a never-checkpointed optimizer gives them
+    for name in ("adapter.weight", "adapter.bias"):
+        problems += [
+            f"{name} vs a never-checkpointed optimizer: {d}"
+            for d in story.tree_differences(
+                dict(never.optim.state.get(never.model.get_parameter(name), {})),
+                dict(run.optim.state.get(run.model.get_parameter(name), {})),
+            )
+        ]
+    # surviving params: trained state bit-identical, the never-gradient indexer still without
+    # state; the removed one's state not loaded anywhere
+    resumed = {k: v for k, v in story.state_by_fqn(run).items() if v}
+    survivors = {k: v for k, v in st.saved_by_fqn.items() if not k.startswith("old.")}
+    problems += [
+        f"surviving params' state vs the checkpoint: {d}"
+        for d in story.tree_differences(
+            survivors, {k: v for k, v in resumed.items() if not k.startswith("adapter.")}
         )
+    ]
+    fail_with(problems, f"{spec.id} {layout} grown model, after the resume")
     # the new params' first step is that of a never-checkpointed optimizer (same lrs)
     for group, resumed_group in zip(never.optim.param_groups, run.optim.param_groups, strict=True):
         group["lr"] = resumed_group["lr"]
