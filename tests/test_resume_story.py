@@ -153,7 +153,10 @@ def indexer_globs(st: Story, layout: str) -> list[str]:
     """allow_missing globs for the indexer's state: by fqn, or by int id."""
     if layout == "int":
         return [f"state.{i}.*" for i in st.indexer_ids]
-    return ["state.indexer.*"]
+    # DSD's get_optimizer_state_dict keeps only state and param_groups: an optimizer's own
+    # top-level keys (heavyball's) are missing from such a checkpoint, and reported
+    extras = [k for k in st.saved if k not in ("state", "param_groups")]
+    return ["state.indexer.*", *(f"{k}.*" for k in extras)]
 
 
 def options_for(layout: str):

@@ -305,6 +305,17 @@ class Slots:
         """
         c_state = checkpoint.get(STATE)
         c_state = c_state if isinstance(c_state, Mapping) else {}
+        c_groups = checkpoint.get(PARAM_GROUPS)
+        c_groups = [
+            g
+            for g in (c_groups if isinstance(c_groups, (list, tuple)) else ())
+            if isinstance(g, Mapping) and isinstance(g.get(PARAMS), (list, tuple))
+        ]
+        c_group_of: dict[Any, int] = {}
+        for i, g in enumerate(c_groups):
+            for pid in g[PARAMS]:
+                if isinstance(pid, (int, str)):
+                    c_group_of.setdefault(pid, i)
         live = self.live_state()
         state: dict[Any, Any] = {}
         groups: list[dict[str, Any]] = []
@@ -324,6 +335,13 @@ class Slots:
                     elif template is not None:
                         state[key] = template
                 group = {k: v for k, v in saved.items() if k != PARAMS}
+                # what the optimizer keeps in its groups as it steps (AdamP's and heavyball's
+                # step counts) is expected of a parameter that still exists: torch keeps it
+                home = _home_group(c_group_of, group_keys)
+                if home is not None:
+                    for k, v in c_groups[home].items():
+                        if k != PARAMS and k not in group:
+                            group[k] = v
                 group[PARAMS] = list(group_keys)
                 groups.append(group)
         entries, extras = self.live_extras()
@@ -342,7 +360,7 @@ class Slots:
         state.update((k, v) for k, v in entries.items() if k not in state)
         for k, v in checkpoint.items():
             if k not in (STATE, PARAM_GROUPS):
-                extras.setdefault(k, v)
+                extras[k] = _union(v, extras[k], 0) if k in extras else v
         return {**extras, STATE: state, PARAM_GROUPS: groups}
 
     def load_dicts(
@@ -395,13 +413,45 @@ def _chain(lists: Iterable[list[Any]]) -> Iterator[Any]:
         yield from items
 
 
-def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] | None:
-    """Placeholder state named like the checkpoint state of the first member that has some."""
+def _union(checkpoint: Any, live: Any, depth: int) -> Any:
+    """The live value, with what the checkpoint's has besides (mappings, recursively).
+
+    An optimizer's own top-level keys grow as it trains (heavyball's ``inner_group``):
+    what the checkpoint holds there is expected, as torch hands it to the optimizer.
+    """
+    if not isinstance(checkpoint, Mapping) or not isinstance(live, Mapping) or depth > 32:
+        return live
+    out = dict(checkpoint)
+    for k, v in live.items():
+        out[k] = _union(checkpoint[k], v, depth + 1) if k in checkpoint else v
+    return out
+
+
+def _home_group(c_group_of: Mapping[Any, int], members: list[Any]) -> int | None:
+    """The checkpoint group most of ``members`` are in (the first on a tie)."""
+    counts: dict[int, int] = {}
     for key in members:
-        entry = c_state.get(key)
-        if isinstance(entry, Mapping) and entry:
-            return _placeholders(entry, 0)
-    return None
+        at = c_group_of.get(key)
+        if at is not None:
+            counts[at] = counts.get(at, 0) + 1
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(i for i, n in counts.items() if n == best)
+
+
+def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] | None:
+    """Placeholder state named like the checkpoint state of the first member that has some.
+
+    Only when most members of the group have state in the checkpoint: then a member
+    without any is missing it (a parameter that never got a gradient). An optimizer
+    that keeps state for a few parameters only (LBFGS: the first) gets no placeholders.
+    """
+    entries = [c_state.get(key) for key in members]
+    have = [e for e in entries if isinstance(e, Mapping) and e]
+    if not have or 2 * len(have) <= len(members):
+        return None
+    return _placeholders(have[0], 0)
 
 
 def _placeholders(entry: Mapping[Any, Any], depth: int) -> dict[Any, Any]:
