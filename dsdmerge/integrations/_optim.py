@@ -443,13 +443,14 @@ def _home_group(c_group_of: Mapping[Any, int], members: list[Any]) -> int | None
 def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] | None:
     """Placeholder state named like the checkpoint state of the first member that has some.
 
-    Only when most members of the group have state in the checkpoint: then a member
-    without any is missing it (a parameter that never got a gradient). An optimizer
-    that keeps state for a few parameters only (LBFGS: the first) gets no placeholders.
+    Only when at least half the members of the group have state in the checkpoint:
+    then a member without any is missing it (a parameter that never got a
+    gradient). An optimizer that keeps state for a few parameters only (LBFGS: the
+    first) gets no placeholders.
     """
     entries = [c_state.get(key) for key in members]
     have = [e for e in entries if isinstance(e, Mapping) and e]
-    if not have or 2 * len(have) <= len(members):
+    if not have or 2 * len(have) < len(members):
         return None
     return _placeholders(have[0], 0)
 

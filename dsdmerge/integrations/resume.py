@@ -63,7 +63,7 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     require_mapping,
 )
-from dsdmerge.merge import Fresh, _apply, _merge
+from dsdmerge.merge import Fresh, _apply, _merge, reshaped
 from dsdmerge.policy import InvalidPolicyError, Policy, resolve_policy
 
 if TYPE_CHECKING:
@@ -578,10 +578,18 @@ def load_dcp(
     Then hand the parts of the result to :func:`resume_model` and
     :func:`resume_optimizer`, which backfill what is missing.
 
+    Values that are ``Stateful`` (anything with ``state_dict()`` and
+    ``load_state_dict()``: a trainer's model, optimizer, lr-scheduler or
+    train-state wrappers, e.g. torchtitan's ``CheckpointManager._states_to_load()``)
+    are treated as ``dcp.load`` treats them: their ``state_dict()`` is what is
+    checked and loaded into, and each then gets ``load_state_dict()`` with what was
+    read, keys the checkpoint lacks keeping their current values.
+
     Args:
         path: The checkpoint directory.
         state_dict: The state dict to load into, e.g. ``{"model":
-            get_model_state_dict(model), "optim": get_optimizer_state_dict(...)}``.
+            get_model_state_dict(model), "optim": get_optimizer_state_dict(...)}``,
+            or ``{"model": ModelWrapper, "optimizer": optimizers, ...}``.
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: Globs over flat keys (as :func:`dsdmerge.flatten` spells
             ``state_dict``) the checkpoint may lack.
@@ -611,18 +619,23 @@ def load_dcp(
         ({'w': tensor([1., 1.]), 'step': 3}, ('new',), tensor([1., 1.]))
     """
     import torch.distributed as dist
+    from torch.distributed.checkpoint.stateful import Stateful
 
     require_mapping(state_dict, "state_dict")
     where = str(path)
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     view, metadata = read_dcp_metadata(where, trusted=trusted)
+    # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
+    # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
+    stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
+    expanded = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
     # the policy's verdict before any data is read (warnings point at our caller)
-    outcome = run(view, state_dict, merge=False, conflicts=pol.conflict != "ignore")
-    diff = _apply(outcome, pol, stacklevel=3, reference=state_dict)[0]
-    target = copy_tree(state_dict)
+    outcome = run(view, expanded, merge=False, conflicts=pol.conflict != "ignore")
+    diff = _apply(outcome, pol, stacklevel=3, reference=expanded)[0]
+    target = copy_tree(expanded)
     if diff.mismatched:
-        shape = {m.key for m in diff.mismatched if m.shape_differs}
-        _prune_tensors(target, state_dict, shape)
+        shape = {m.key for m in diff.mismatched if reshaped(m)}
+        _prune_tensors(target, expanded, shape)
     no_dist = not (dist.is_available() and dist.is_initialized())
     skipped = run_dcp_load(
         where,
@@ -635,7 +648,25 @@ def load_dcp(
     )
     for path_ in skipped:
         _prune(target, path_)
+    for key, obj in stateful.items():
+        # what was not read keeps its current value, as in dcp.load's partial load
+        obj.load_state_dict(_filled(copy_tree(target.get(key, {})), expanded[key]))
     return DCPLoad(target, diff)
+
+
+def _filled(dest: Any, src: Any) -> Any:
+    """``dest`` (a new tree) with the entries it lacks taken from ``src``, recursively."""
+    if not isinstance(dest, dict) or not isinstance(src, Mapping):
+        return dest
+    stack = [(dest, src)]
+    while stack:
+        d, s_ = stack.pop()
+        for k, v in s_.items():
+            if k not in d:
+                d[k] = v
+            elif isinstance(d[k], dict) and isinstance(v, Mapping):
+                stack.append((d[k], v))
+    return dest
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,364 @@
+"""Trainers' protocols, reproduced without the frameworks: optimizer containers, load hooks,
+Stateful wrappers through DCP.
+
+* torchtitan's ``OptimizersContainer``: an ``Optimizer`` subclass that calls
+  ``Optimizer.__init__`` over all parameters (its own param_groups, at the real lr) and
+  holds one optimizer per model part in ``.optimizers``; its ``state_dict()`` /
+  ``load_state_dict()`` go through DSD's flattened form.
+* VeOmni's ``MultiOptimizer``: an ``Optimizer`` subclass that never calls
+  ``Optimizer.__init__`` (no param_groups, no state) and holds ``.optimizers_dict``.
+* verl's ``_backfill_optimizer_state(self, state_dict) -> dict`` between ``torch.load``
+  and ``optimizer.load_state_dict``.
+* torchtitan's ``CheckpointManager``: ``dcp.load`` of ``{"model": ..., "optimizer": ...}``
+  whose values are ``Stateful`` wrappers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import Snapshot
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+import dsdmerge as dm
+from dsdmerge.integrations import backfill_optimizer_state, load_dcp, resume_optimizer
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Part(nn.Module):
+    """A model part whose indexer never gets a gradient (its forward only ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer = nn.Linear(4, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.indexer(x).detach().argmax(-1, keepdim=True)
+        return self.proj(x) * (1 + top)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Part()
+        self.b = Part()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class TitanContainer(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer protocol: one optimizer per model part."""
+
+    def __init__(self, parts: list[nn.Module], cls: type, kwargs: dict) -> None:
+        self.model_parts = parts
+        self.optimizers = [
+            cls([p for p in m.parameters() if p.requires_grad], **kwargs) for m in parts
+        ]
+        all_params = [p for m in parts for p in m.parameters() if p.requires_grad]
+        torch.optim.Optimizer.__init__(self, all_params, kwargs)
+
+    def step(self, *args, **kwargs):  # type: ignore[override]
+        for o in self.optimizers:
+            o.step(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):  # type: ignore[override]
+        for o in self.optimizers:
+            o.zero_grad(*args, **kwargs)
+
+    def state_dict(self):  # type: ignore[override]
+        func = functools.partial(get_optimizer_state_dict, options=FLAT)
+        return {k: v for sd in map(func, self.model_parts, self.optimizers) for k, v in sd.items()}
+
+    def load_state_dict(self, state_dict):  # type: ignore[override]
+        func = functools.partial(
+            set_optimizer_state_dict, optim_state_dict=state_dict, options=FLAT
+        )
+        list(map(func, self.model_parts, self.optimizers))
+
+
+class VeOmniMulti(torch.optim.Optimizer, Stateful):
+    """VeOmni's MultiOptimizer protocol: never calls Optimizer.__init__."""
+
+    def __init__(self, model: nn.Module, optimizers: dict) -> None:
+        self.model = model
+        self.optimizers_dict = optimizers
+        self.key_names = list(optimizers)
+
+    def step(self):  # type: ignore[override]
+        for o in self.optimizers_dict.values():
+            o.step()
+
+    def zero_grad(self):  # type: ignore[override]
+        for o in self.optimizers_dict.values():
+            o.zero_grad()
+
+    def state_dict(self):  # type: ignore[override]
+        merged = {}
+        for name in self.key_names:
+            merged.update(
+                get_optimizer_state_dict(self.model, self.optimizers_dict[name], options=FLAT)
+            )
+        return merged
+
+    def load_state_dict(self, state_dict):  # type: ignore[override]
+        for name in self.key_names:
+            set_optimizer_state_dict(
+                self.model, self.optimizers_dict[name], optim_state_dict=state_dict, options=FLAT
+            )
+
+
+def train(model, optim, steps=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(8, 4, generator=g)).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def stage(**parts: nn.Module) -> nn.Module:
+    """A pipeline stage: the model with only some of its modules, under their full names."""
+    out = nn.Module()
+    for name, part in parts.items():
+        out.add_module(name, part)
+    return out
+
+
+def titan(model):
+    parts = [stage(a=model.a), stage(b=model.b)]  # two pipeline stages, as torchtitan's
+    return TitanContainer(parts, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
+
+
+def veomni(model):
+    a = torch.optim.AdamW(model.a.parameters(), lr=0.01)
+    b = torch.optim.AdamW(model.b.parameters(), lr=0.02)
+    return VeOmniMulti(model, {"a": a, "b": b})
+
+
+def leaves_of(container):
+    return (
+        container.optimizers
+        if hasattr(container, "optimizers")
+        else list(container.optimizers_dict.values())
+    )
+
+
+CONTAINERS = {"torchtitan": titan, "veomni": veomni}
+
+
+@pytest.fixture(params=sorted(CONTAINERS))
+def trained(request):
+    torch.manual_seed(0)
+    model = Model()
+    optim = CONTAINERS[request.param](model)
+    train(model, optim)
+    model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    optim_sd = copy.deepcopy(optim.state_dict())  # flattened DSD, as both save it (a copy)
+    # the uninterrupted run, one more step
+    train(model, optim, steps=1, seed=1)
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    return request.param, model_sd, optim_sd, final
+
+
+def fresh(kind, model_sd):
+    torch.manual_seed(1)  # other initial weights: the checkpoint must win
+    model = Model()
+    model.load_state_dict(model_sd)
+    return model, CONTAINERS[kind](model)
+
+
+def test_resume_optimizer_takes_a_container_and_resumes_bit_for_bit(trained):
+    kind, model_sd, optim_sd, final = trained
+    model, optim = fresh(kind, model_sd)
+    diff = resume_optimizer(
+        model, optim, optim_sd, options=FLAT, policy="strict", allow_missing="state.*indexer.*"
+    )
+    assert set(diff.missing) == {
+        f"state.{p}.indexer.{w}.{s}"
+        for p in "ab"
+        for w in ("weight", "bias")
+        for s in ("step", "exp_avg", "exp_avg_sq")
+    }
+    for leaf in leaves_of(optim):  # the indexers start fresh: no state at all
+        assert not any(p in leaf.state for p in (model.a.indexer.weight, model.b.indexer.weight))
+    train(model, optim, steps=1, seed=1)
+    assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+
+
+def test_a_refused_container_resume_changes_nothing(trained):
+    kind, model_sd, optim_sd, _ = trained
+    model, optim = fresh(kind, model_sd)
+    snap = Snapshot(
+        {"model": dict(model.named_parameters()), "optim": [o.state for o in leaves_of(optim)]}
+    )
+    lrs = [[g["lr"] for g in o.param_groups] for o in leaves_of(optim)]
+    with pytest.raises(dm.MergeError, match="indexer"):
+        resume_optimizer(model, optim, optim_sd, policy="strict")  # the indexer is not allowed
+    assert snap.unchanged()
+    assert all(not o.state for o in leaves_of(optim))  # no zero-gradient step was taken
+    assert [[g["lr"] for g in o.param_groups] for o in leaves_of(optim)] == lrs
+
+
+def test_an_unknown_container_is_refused_before_anything_changes():
+    class Opaque(torch.optim.Optimizer):
+        def __init__(self, inner):
+            self.inner = inner  # not a name dsdmerge knows
+
+    model = Model()
+    optim = Opaque([torch.optim.SGD(model.parameters())])
+    with pytest.raises(dm.StateDictTypeError, match="pass them instead"):
+        resume_optimizer(model, optim, {"state": {}, "param_groups": []})
+
+
+# -- verl's hook ------------------------------------------------------------------------
+
+
+class Manager:
+    """verl's FSDPCheckpointManager load path, reduced to its protocol."""
+
+    def __init__(self, model, optimizer, allow=("state.*indexer*",)) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.allow = list(allow)
+
+    def _backfill_optimizer_state(self, state_dict: dict) -> dict:
+        container = hasattr(self.optimizer, "optimizers_dict")
+        return backfill_optimizer_state(
+            state_dict,
+            self.optimizer,
+            model=self.model,
+            policy="strict",
+            allow_missing=self.allow,
+            fresh="reference" if container else "as_fresh",
+        )
+
+    def load(self, path) -> None:
+        optimizer_state_dict = torch.load(path, weights_only=True)
+        optimizer_state_dict = self._backfill_optimizer_state(optimizer_state_dict)
+        self.optimizer.load_state_dict(optimizer_state_dict)
+
+
+@pytest.mark.parametrize("layout", ["int", "flat"])
+def test_verl_hook_with_a_plain_optimizer(tmp_path, layout):
+    torch.manual_seed(0)
+    model = Part()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim)
+    saved = (
+        optim.state_dict()
+        if layout == "int"
+        else get_optimizer_state_dict(model, optim, options=FLAT)
+    )
+    torch.save(saved, tmp_path / "optim.pt")
+    model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, optim, steps=1, seed=1)
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2 = Part()
+    model2.load_state_dict(model_sd)
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    # int ids are positions: the indexer's weight and bias are params 0 and 1
+    allow = ["state.0.*", "state.1.*"] if layout == "int" else ["state.*indexer*"]
+    Manager(model2, optim2, allow).load(tmp_path / "optim.pt")
+    assert optim2.param_groups[0]["lr"] == 0.01
+    assert model2.indexer.weight not in optim2.state  # fresh
+    train(model2, optim2, steps=1, seed=1)
+    assert all(torch.equal(v, final[k]) for k, v in model2.state_dict().items())
+
+
+def test_verl_hook_with_veomni_multioptimizer(tmp_path):
+    torch.manual_seed(0)
+    model = Model()
+    optim = veomni(model)
+    train(model, optim)
+    torch.save(optim.state_dict(), tmp_path / "optim.pt")
+    model2 = Model()
+    model2.load_state_dict(model.state_dict())
+    optim2 = veomni(model2)
+    Manager(model2, optim2).load(tmp_path / "optim.pt")  # torch alone crashes here
+    for name, leaf in optim2.optimizers_dict.items():
+        assert leaf.param_groups[0]["lr"] == optim.optimizers_dict[name].param_groups[0]["lr"]
+        part = getattr(model2, name)
+        assert torch.equal(
+            leaf.state[part.proj.weight]["exp_avg"],
+            optim.optimizers_dict[name].state[getattr(model, name).proj.weight]["exp_avg"],
+        )
+    # the default (as fresh) cannot go through DSD's flattened load: said before anything
+    with pytest.raises(dm.InvalidPolicyError, match="fresh='reference'"):
+        backfill_optimizer_state(torch.load(tmp_path / "optim.pt"), optim2, model=model2)
+
+
+# -- torchtitan's CheckpointManager: Stateful values through DCP -------------------------
+
+
+class ModelWrapper(Stateful):
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self):
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict):
+        set_model_state_dict(self.model, state_dict)
+
+
+class TrainState(Stateful):
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state_dict):
+        self.step = int(state_dict["step"])
+
+
+def test_load_dcp_takes_stateful_wrappers_and_reports_the_true_difference(tmp_path):
+    torch.manual_seed(0)
+    model = Model()
+    optim = titan(model)
+    train(model, optim)
+    ts = TrainState()
+    ts.step = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": ModelWrapper(model), "optimizer": optim, "train_state": ts},
+            checkpoint_id=str(tmp_path),
+        )
+    model2 = Model()
+    optim2 = titan(model2)
+    ts2 = TrainState()
+    states = {"model": ModelWrapper(model2), "optimizer": optim2, "train_state": ts2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, diff = load_dcp(
+            tmp_path, states, policy="strict", allow_missing="optimizer.state.*indexer*"
+        )
+    # the indexer's keys, not "3 missing, N unexpected"
+    assert diff.unexpected == ()
+    assert diff.missing
+    assert all(".indexer." in k for k in diff.missing)
+    assert ts2.step == 3
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in model2.state_dict().items())
+    for leaf, trained_leaf in zip(optim2.optimizers, optim.optimizers, strict=True):
+        a = leaf.state_dict()["state"]
+        b = trained_leaf.state_dict()["state"]
+        # params: indexer.weight 0, indexer.bias 1, proj.weight 2, proj.bias 3
+        assert torch.equal(a[2]["exp_avg"], b[2]["exp_avg"])
+        assert torch.equal(a[3]["exp_avg_sq"], b[3]["exp_avg_sq"])
