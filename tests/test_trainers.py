@@ -362,3 +362,67 @@ def test_load_dcp_takes_stateful_wrappers_and_reports_the_true_difference(tmp_pa
         # params: indexer.weight 0, indexer.bias 1, proj.weight 2, proj.bias 3
         assert torch.equal(a[2]["exp_avg"], b[2]["exp_avg"])
         assert torch.equal(a[3]["exp_avg_sq"], b[3]["exp_avg_sq"])
+
+
+# -- untouched on error, every path ------------------------------------------------------
+
+
+def _snapshot(model, optims):
+    return Snapshot(
+        {
+            "params": dict(model.named_parameters()),
+            "state": [dict(o.state) for o in optims],
+            "groups": [o.param_groups for o in optims],
+        }
+    )
+
+
+def test_a_refused_hook_changes_nothing():
+    torch.manual_seed(0)
+    model = Part()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optim, options=FLAT))
+    model2 = Part()
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    snap = _snapshot(model2, [optim2])
+    with pytest.raises(dm.MergeError, match="indexer"):
+        backfill_optimizer_state(saved, optim2, model=model2, policy="strict")
+    assert snap.unchanged()
+    assert not optim2.state
+
+
+class FailsWithoutGraph(torch.optim.SGD):
+    """An optimizer whose step needs more than gradients (SophiaH's Hessian-vector product)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        raise RuntimeError("element 0 of tensors does not require grad")
+
+
+def test_fresh_reference_whose_zero_gradient_step_fails_changes_nothing():
+    model = Part()
+    optim = FailsWithoutGraph(model.parameters(), lr=0.1, momentum=0.9)
+    loaded = {"state": {}, "param_groups": [{**optim.state_dict()["param_groups"][0]}]}
+    snap = _snapshot(model, [optim])
+    with pytest.raises(dm.DSDMergeError, match="fresh='as_fresh'"):
+        resume_optimizer(model, optim, loaded, fresh="reference")
+    assert snap.unchanged()
+    assert all(p.grad is None for p in model.parameters())
+    assert optim.param_groups[0]["lr"] == 0.1
+    resume_optimizer(model, optim, loaded)  # the default takes no step at all
+
+
+def test_a_dcp_round_trip_of_int_ids_resumes_instead_of_resetting():
+    torch.manual_seed(0)
+    model = Part()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, optim)
+    saved = copy.deepcopy(optim.state_dict())
+    # what a DCP round trip of optimizer.state_dict() gives back: state keys as strings
+    loaded = {**saved, "state": {str(k): v for k, v in saved["state"].items()}}
+    optim2 = torch.optim.AdamW(model.parameters(), lr=0.5)
+    diff = resume_optimizer(model, optim2, loaded)
+    assert not diff.unexpected
+    state = optim2.state_dict()["state"]
+    assert sorted(state) == sorted(saved["state"])
+    assert all(torch.equal(state[k]["exp_avg"], v["exp_avg"]) for k, v in saved["state"].items())
