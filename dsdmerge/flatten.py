@@ -430,8 +430,15 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
             fqn, rest = found
             _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
     groups: dict[Any, dict[str, Any]] = {}
+    frozen: dict[int, Any] = {}  # members of a group share their value objects: freeze each once
     for fqn, values in hyper.items():
-        signature = tuple((name, freeze(v)) for name, v in values.items())
+        pairs = []
+        for name, v in values.items():
+            f = frozen.get(id(v), MISSING)
+            if f is MISSING:
+                f = frozen[id(v)] = freeze(v)
+            pairs.append((name, f))
+        signature = tuple(pairs)
         group = groups.get(signature)
         if group is None:
             group = groups[signature] = {**values, PARAMS: []}

@@ -52,6 +52,7 @@ from dsdmerge.integrations._optim import (
     Slots,
     init_state,
     leaf_optimizers,
+    uses_fsdp1,
 )
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
@@ -327,14 +328,7 @@ def _needs_dsd(model: Any, options: StateDictOptions | None) -> bool:
     """Whether loading must go through DSD: full state dicts to shard, or FSDP1 modules."""
     if options is not None and (options.full_state_dict or options.broadcast_from_rank0):
         return True
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return False
-    import torch
-
-    parts = [model] if isinstance(model, torch.nn.Module) else list(model or ())
-    return any(FSDP.fsdp_modules(part) for part in parts)
+    return model is not None and uses_fsdp1(model)
 
 
 def _fqn_keyed_each(plan: _Plan) -> list[dict[Any, Any]]:
