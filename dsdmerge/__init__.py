@@ -11,7 +11,7 @@ reference under a policy::
 from __future__ import annotations
 
 # Diffs
-from dsdmerge.diff import KeyDiff, Mismatch, TensorMeta, diff
+from dsdmerge.diff import Changed, KeyDiff, Mismatch, TensorMeta, diff
 
 # Errors and warnings
 from dsdmerge.errors import (
@@ -57,6 +57,7 @@ __all__ = [
     "flatten",
     "unflatten",
     # Diffs
+    "Changed",
     "KeyDiff",
     "Mismatch",
     "TensorMeta",

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from itertools import compress
 from typing import Any
 
 from dsdmerge._values import shape_dtype, short_repr
 from dsdmerge.errors import StateDictTypeError
 
-__all__ = ["KeyDiff", "Mismatch", "TensorMeta", "diff"]
+__all__ = ["Changed", "KeyDiff", "Mismatch", "TensorMeta", "diff"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +106,47 @@ class Mismatch:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Changed:
+    """A key in both state dicts whose non-tensor values differ (a learning rate, ``step``).
+
+    The checkpoint's value is what a merge keeps; this says the reference had
+    another one (usually the point of resuming: the scheduled learning rate).
+
+    Attributes:
+        key: The flat key.
+        checkpoint: The checkpoint's value.
+        reference: The reference's value.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> dm.diff({"lr": 5e-5}, {"lr": 1e-3}, values=True).changed
+        (Changed(key='lr', checkpoint=5e-05, reference=0.001),)
+    """
+
+    key: str
+    checkpoint: Any
+    reference: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the key and both values (``repr`` of what JSON cannot hold)."""
+        return {
+            "key": self.key,
+            "checkpoint": _json_value(self.checkpoint),
+            "reference": _json_value(self.reference),
+        }
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    if type(value) in (tuple, list) and len(value) <= 64:
+        return [_json_value(v) for v in value]
+    return short_repr(value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KeyDiff:
     """The differences between a checkpoint and a reference, by flat key.
 
@@ -115,8 +157,12 @@ class KeyDiff:
             checkpoint order (a default merge keeps them).
         mismatched: Keys in both whose tensors differ in shape or dtype, in
             reference order.
+        changed: Keys in both whose non-tensor values differ
+            (:class:`Changed`), in reference order; filled by
+            ``diff(..., values=True)`` (the command line's ``diff`` does), empty
+            otherwise.
 
-    ``bool(diff)`` is ``False`` iff all three are empty; ``str(diff)`` is a
+    ``bool(diff)`` is ``False`` iff all four are empty; ``str(diff)`` is a
     readable report.
 
     Example:
@@ -129,9 +175,10 @@ class KeyDiff:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
+    changed: tuple[Changed, ...] = dataclasses.field(default=(), repr=False)
 
     def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.mismatched)
+        return bool(self.missing or self.unexpected or self.mismatched or self.changed)
 
     def __str__(self) -> str:
         from dsdmerge.report import render
@@ -151,25 +198,33 @@ class KeyDiff:
             >>> dm.KeyDiff(missing=("a",)).to_dict()
             {'missing': ['a'], 'unexpected': [], 'mismatched': []}
         """
-        return {
+        out = {
             "missing": list(self.missing),
             "unexpected": list(self.unexpected),
             "mismatched": [m.to_dict() for m in self.mismatched],
         }
+        if self.changed:
+            out["changed"] = [c.to_dict() for c in self.changed]
+        return out
 
 
-def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyDiff:
+def diff(
+    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /, *, values: bool = False
+) -> KeyDiff:
     """Compare a checkpoint with a reference state dict, by flat key.
 
     Either side may be flat or nested (a nested side is compared as its
     :func:`~dsdmerge.flatten` would be), or a metadata-only view whose values
     are :class:`TensorMeta`. Shapes and dtypes are compared only where both
-    values are tensor-like; scalars are never mismatched. Does not modify its
-    inputs.
+    values are tensor-like; scalars are never mismatched. With ``values=True``,
+    non-tensor values present on both sides are compared too (learning rates,
+    betas, ``step``: equal by value, NaN equal to NaN) and those that differ are
+    in :attr:`KeyDiff.changed`. Does not modify its inputs.
 
     Args:
         checkpoint: The state dict you loaded.
         reference: The state dict the model or optimizer has now.
+        values: Also compare non-tensor values.
 
     Returns:
         The :class:`KeyDiff`.
@@ -189,4 +244,62 @@ def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyD
     from dsdmerge._engine import run
 
     outcome = run(checkpoint, reference, merge=False)
-    return KeyDiff(tuple(outcome.missing), tuple(outcome.unexpected), tuple(outcome.mismatches))
+    changed = changed_values(checkpoint, reference) if values else ()
+    return KeyDiff(
+        tuple(outcome.missing),
+        tuple(outcome.unexpected),
+        tuple(outcome.mismatches),
+        tuple(changed),
+    )
+
+
+# values of these types are compared with == in one C-level pass (NaN is looked at again)
+_PLAIN = frozenset({bool, int, float, str, type(None), tuple})
+
+
+def changed_values(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]) -> list[Changed]:
+    """The non-tensor values present on both sides that differ, in reference key order.
+
+    Either side may be nested (compared as flattened). Tensor-like values, and
+    values a metadata-only view did not read (any object whose class sets
+    ``__dsdmerge_unread__``), are not compared.
+    """
+    from operator import eq, is_not
+
+    from dsdmerge._values import is_tensor_like, same_value
+    from dsdmerge.flatten import flatten
+
+    c = (
+        flatten(checkpoint)
+        if any(isinstance(v, Mapping) for v in checkpoint.values())
+        else checkpoint
+    )
+    r = flatten(reference) if any(isinstance(v, Mapping) for v in reference.values()) else reference
+    keys = list(compress(r, map(c.__contains__, r)))
+    c_vals = list(map(c.__getitem__, keys))
+    r_vals = list(map(r.__getitem__, keys))
+    at = list(compress(range(len(keys)), map(is_not, c_vals, r_vals)))  # the same object: equal
+    if not at:
+        return []
+    c_vals = [c_vals[i] for i in at]
+    r_vals = [r_vals[i] for i in at]
+    types = set(map(type, c_vals)) | set(map(type, r_vals))
+    if types <= _PLAIN:
+        try:  # plain values (tuples of them too) compare in C; only the unequal are looked at
+            equal = list(map(eq, c_vals, r_vals))
+        except Exception:  # an exotic value in a tuple  # noqa: BLE001
+            equal = [False] * len(at)
+    else:
+        equal = [False] * len(at)
+    out = []
+    skip: dict[type, bool] = {}
+    for i, a, b, same in zip(at, c_vals, r_vals, equal, strict=True):
+        if same:
+            continue
+        for tp in (type(a), type(b)):
+            if tp not in skip:
+                skip[tp] = is_tensor_like(tp) or bool(getattr(tp, "__dsdmerge_unread__", False))
+        if skip[type(a)] or skip[type(b)] or same_value(a, b):
+            continue
+        out.append(Changed(keys[i], a, b))
+    return out

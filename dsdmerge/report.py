@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
-    from dsdmerge.diff import KeyDiff, Mismatch, TensorMeta
+    from dsdmerge.diff import Changed, KeyDiff, Mismatch, TensorMeta
 
 __all__ = [
     "Pattern",
@@ -496,8 +496,16 @@ def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> s
 _MISSING = "missing from the checkpoint (will be taken from the reference)"
 _UNEXPECTED = "unexpected in the checkpoint (not in the reference)"
 _MISMATCHED = "in both with a different shape or dtype"
+_CHANGED = "differ between checkpoint and reference (a merge keeps the checkpoint's)"
 
-_COLORS = {"missing": "33", "unexpected": "36", "mismatched": "31", "dim": "2", "bold": "1"}
+_COLORS = {
+    "missing": "33",
+    "unexpected": "36",
+    "mismatched": "31",
+    "changed": "35",
+    "dim": "2",
+    "bold": "1",
+}
 
 
 def _paint(text: str, what: str, color: bool) -> str:
@@ -552,7 +560,29 @@ def render(
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
             lines.append("  " + _paint(f"... and {rest}", "dim", color))
+    changed = diff.changed
+    if changed:
+        n = len(changed)
+        lines.append(_paint(f"{_plural(n, 'non-tensor value')} {_CHANGED}:", "changed", color))
+        groups = _changed_groups(changed)
+        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        lines.extend(_rows(rows, table, color))
+        if len(groups) > limit:
+            rest = _rest([p for p, _, _ in groups], limit)
+            lines.append("  " + _paint(f"... and {rest}", "dim", color))
     return "\n".join(lines)
+
+
+def _changed_groups(items: Iterable[Changed]) -> list[tuple[Pattern, str, str]]:
+    """Changed values grouped by their pair of values (as text), keys compressed per group."""
+    from dsdmerge._values import short_repr
+
+    groups: dict[tuple[str, str], list[str]] = {}
+    for c in items:
+        groups.setdefault((short_repr(c.checkpoint), short_repr(c.reference)), []).append(c.key)
+    out = [(p, a, b) for (a, b), keys in groups.items() for p in compress(keys, max_parts=_PARTS)]
+    out.sort(key=lambda item: (*_rank(item[0]), item[1], item[2]))
+    return out
 
 
 def render_patterns(
@@ -629,4 +659,15 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
         "patterns": [{**p.to_dict(), "checkpoint": c, "reference": r} for p, c, r in shown_groups],
         "patterns_not_shown": len(groups) - len(shown_groups),
     }
+    changed = diff.changed
+    if changed:
+        groups = _changed_groups(changed)
+        shown_groups = groups if limit is None else groups[:limit]
+        out["changed"] = {
+            "count": len(changed),
+            "patterns": [
+                {**p.to_dict(), "checkpoint": c, "reference": r} for p, c, r in shown_groups
+            ],
+            "patterns_not_shown": len(groups) - len(shown_groups),
+        }
     return out

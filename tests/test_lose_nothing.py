@@ -240,3 +240,27 @@ def test_merge_as_fresh_leaves_parameters_without_checkpointed_state_stateless()
     assert "idx" not in dm.unflatten(whole["optim"])["state"]
     with pytest.raises(dm.InvalidPolicyError, match="fresh"):
         dm.merge(ckpt, fresh, fresh="new")  # type: ignore[arg-type]
+
+
+# -- values, not only keys ------------------------------------------------------------------
+
+
+def test_diff_values_reports_changed_hyperparameters_compressed():
+    c = {"param_groups.a.lr": 5e-5, "param_groups.b.lr": 5e-5, "param_groups.a.betas": (0.9, 0.95)}
+    r = {"param_groups.a.lr": 1e-3, "param_groups.b.lr": 1e-3, "param_groups.a.betas": (0.9, 0.95)}
+    c["state.a.step"], r["state.a.step"] = torch.tensor(3.0), torch.tensor(1.0)
+    c["eps"], r["eps"] = float("nan"), float("nan")
+    assert not dm.diff(c, r)  # keys only, by default
+    d = dm.diff(c, r, values=True)
+    assert bool(d)
+    assert [x.key for x in d.changed] == ["param_groups.a.lr", "param_groups.b.lr"]
+    assert d.changed[0].checkpoint == 5e-5
+    assert "param_groups.{a,b}.lr: checkpoint 5e-05, reference 0.001  (2 keys)" in str(d)
+    assert d.to_dict()["changed"][1] == {
+        "key": "param_groups.b.lr",
+        "checkpoint": 5e-5,
+        "reference": 1e-3,
+    }
+    # nested sides compare as flattened; the same object is never "changed"
+    nested = dm.diff(dm.unflatten({k: v for k, v in c.items() if "." in k}), r, values=True)
+    assert [x.key for x in nested.changed] == ["param_groups.a.lr", "param_groups.b.lr"]

@@ -79,6 +79,7 @@ class _Unread:
     """The type of :attr:`CheckpointView.UNREAD`: a non-tensor value that was not read."""
 
     __slots__ = ()
+    __dsdmerge_unread__: ClassVar[bool] = True  # dsdmerge.diff never compares it as a value
     _instance: ClassVar[_Unread | None] = None
 
     def __new__(cls) -> _Unread:
