@@ -374,7 +374,7 @@ def expected_flat_leaves(sd: Mapping[Any, Any]) -> list[Any]:
                 if name in ("state", "param_groups"):
                     continue
                 if isinstance(value, Mapping):
-                    stack.append((value, False))
+                    stack.append((value, True))
                 else:
                     out.append(value)
             continue
