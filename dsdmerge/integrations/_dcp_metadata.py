@@ -55,7 +55,6 @@ object once.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import gc
 import io
@@ -88,20 +87,33 @@ class _Bad(Exception):
     """Structurally wrong metadata (reported as corrupt)."""
 
 
+class _NotMetadata(_Bad):
+    """A pickle of something else than ``Metadata`` (its type name)."""
+
+
 # --------------------------------------------------------------------------------------
 # layer 1: the token grammar
 
 
 def _counted(op: int, lengths: range) -> bytes:
-    """``op``, a 1-byte length n in ``lengths``, then n bytes: a two-level alternation
-    (high nibble, then the exact length), so a match tries ~16 branches, not 256."""
+    """``op``, a 1-byte length n in ``lengths``, then n bytes.
+
+    A two-level alternation (high nibble, then the exact length), so a match tries ~16
+    branches, not 256.
+    """
     by_high: dict[int, list[bytes]] = {}
     for n in lengths:
         tail = b".{%d}" % n if n else b""
         by_high.setdefault(n >> 4, []).append(re.escape(bytes([n])) + tail)
     groups = [
-        b"(?=[" + re.escape(bytes([h << 4])) + b"-" + re.escape(bytes([(h << 4) | 15])) + b"])"
-        + b"(?:" + b"|".join(parts) + b")"
+        b"(?=["
+        + re.escape(bytes([h << 4]))
+        + b"-"
+        + re.escape(bytes([(h << 4) | 15]))
+        + b"])"
+        + b"(?:"
+        + b"|".join(parts)
+        + b")"
         for h, parts in sorted(by_high.items())
     ]
     return re.escape(bytes([op])) + b"(?:" + b"|".join(groups) + b")"
@@ -111,9 +123,11 @@ _TUPLE_OPS: Final = rb"\x85\x86\x87t"
 _CONTAINER_OPS: Final = rb"\]\}\)\x85\x86\x87tuesa"  # their result is a container
 _ARG_TOKENS = (
     rb"h.|j.{4}|K.|M..|J.{4}|G.{8}|\x80."
-    rb"|" + _counted(0x8C, range(256)) +
-    rb"|" + _counted(0x8A, range(10)) +  # ints up to 2**71: offsets and lengths
-    rb"|c[^\n]{1,200}\n[^\n]{1,200}\n"
+    rb"|"
+    + _counted(0x8C, range(256))
+    + rb"|"
+    + _counted(0x8A, range(10))  # ints up to 2**71: offsets and lengths
+    + rb"|c[^\n]{1,200}\n[^\n]{1,200}\n"
 )
 # Layer 1's tokens. Zero-argument opcodes: MEMOIZE MARK NONE BUILD NEWOBJ NEWTRUE NEWFALSE
 # STACK_GLOBAL REDUCE STOP, the container opcodes EMPTY_LIST EMPTY_DICT EMPTY_TUPLE
@@ -129,6 +143,7 @@ _TOKEN = (
     rb"|" + _ARG_TOKENS + rb")"
 )
 _GRAMMAR = re.compile(_TOKEN + rb"*+", re.DOTALL)
+_TOKEN_RE = re.compile(_TOKEN, re.DOTALL)
 
 _OPNAMES: Final = {
     op.code.encode("latin-1")[0]: op.name for op in __import__("pickletools").opcodes
@@ -148,7 +163,8 @@ def _scan(data: bytes) -> list[bytes]:
     start = pos = 2
     size = len(data)
     while True:
-        end = _GRAMMAR.match(data, pos).end()
+        found = _GRAMMAR.match(data, pos)
+        end = found.end() if found else pos
         if end >= size:
             segments.append(data[start:size])
             return segments
@@ -163,6 +179,8 @@ def _scan(data: bytes) -> list[bytes]:
                 raise _Bad(f"a string at offset {end} is longer than the rest of the file")
             segments.append(data[start:end])
             start = pos = end + 1 + width + length
+        elif _TOKEN_RE.match(data[end : end + 1024] + bytes(1024)):
+            raise _Bad(f"truncated at offset {end}")  # a token cut short by the end
         elif op in (0x85, 0x86, 0x87, 0x74):
             raise _Refused(f"a tuple nested in a tuple at offset {end}")
         else:
@@ -181,9 +199,7 @@ _MEMO_EVENTS = re.compile(
     re.DOTALL,
 )
 _NO_GET = rb"[\x94" + _CONTAINER_OPS + rb"]|" + _PLAIN
-_GET1_EVENTS = re.compile(
-    rb"(?:" + _NO_GET.replace(rb"h.|", b"") + rb")*+(?:h(.)|\Z)", re.DOTALL
-)
+_GET1_EVENTS = re.compile(rb"(?:" + _NO_GET.replace(rb"h.|", b"") + rb")*+(?:h(.)|\Z)", re.DOTALL)
 _GET4_EVENTS = re.compile(
     rb"(?:" + _NO_GET.replace(rb"|j.{4}", b"") + rb")*+(?:j(.{4})|\Z)", re.DOTALL
 )
@@ -284,6 +300,7 @@ class _PathFactory(metaclass=_Sealed):
     """A callable stand-in for a ``pathlib`` class (no ``__dict__``, nothing to set)."""
 
     __slots__ = ("_name",)
+    _name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "_name", name)
@@ -299,6 +316,7 @@ class _Call(metaclass=_Sealed):
     """A callable stand-in with no ``__dict__`` and no settable attribute."""
 
     __slots__ = ("_fn",)
+    _fn: Any
 
     def __init__(self, fn: Any) -> None:
         object.__setattr__(self, "_fn", fn)
@@ -325,7 +343,7 @@ def _memory_format(code: Any) -> Any:
 class _Size(metaclass=_Sealed):
     """``torch.Size`` for ``REDUCE``: at most :data:`MAX_DIMS` dims, checked before copying."""
 
-    def __new__(cls, dims: Any) -> Any:  # type: ignore[misc]
+    def __new__(cls, dims: Any) -> Any:
         if type(dims) is not tuple or len(dims) > MAX_DIMS:
             raise _Bad("a tensor size is not a short tuple")
         return torch.Size(dims)
@@ -427,6 +445,8 @@ def _convert(root: Any, *, budget: int) -> Any:
     from torch.distributed.checkpoint import metadata as md
     from torch.distributed.checkpoint.filesystem import _StorageInfo as RealStorageInfo
 
+    if type(root) is not _Metadata:
+        raise _NotMetadata(type(root).__name__.lstrip("_"))
     top = _fields(root, _Metadata, _MD_REQ, _MD_OPT)
     sdm = top["state_dict_metadata"]
     if type(sdm) is not dict:
@@ -454,7 +474,7 @@ def _convert(root: Any, *, budget: int) -> Any:
             sizes = _size(c["sizes"], f"{key!r}: a chunk size")
             if len(offsets) != len(size) or len(sizes) != len(size):
                 raise _Bad(f"{key!r}: a chunk with {len(sizes)} dimensions in {len(size)}")
-            if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
                 raise _Bad(f"{key!r}: a chunk reaches past the tensor's size")
             records.append((chunk, md.ChunkStorageMetadata))
         records.append((value, md.TensorStorageMetadata))
@@ -506,7 +526,7 @@ def _convert(root: Any, *, budget: int) -> Any:
                 raise _Bad("storage_meta.checkpoint_id is not a path")
             try:
                 m["checkpoint_id"] = getattr(pathlib, name)(*parts)
-            except Exception as err:  # e.g. a WindowsPath on Linux, as with torch's reader
+            except Exception as err:  # noqa: BLE001 - e.g. a WindowsPath on Linux, as with torch
                 raise _Bad(f"storage_meta.checkpoint_id: {err}") from None
         else:
             _opt_str(cid, "storage_meta.checkpoint_id")
@@ -623,14 +643,17 @@ def load_metadata(data: bytes, *, where: str) -> Any:
         raise UnsafeCheckpointError(
             f"{where}: refused to unpickle: it uses {err}, which DCP metadata never holds "
             "(only DCP metadata classes, torch sizes, dtypes, layouts and paths are allowed), "
-            "so unpickling it could run code or exhaust memory; nothing was run",
+            "so unpickling it could run code or exhaust memory; nothing was run.",
             path=where,
         ) from None
+    except _NotMetadata as err:
+        raise CheckpointReadError(f"{where}: holds a {err}, not DCP Metadata", path=where) from None
     except _Bad as err:
         raise CheckpointReadError(
-            f"{where}: not valid DCP metadata (corrupt or crafted?): {err}", path=where
+            f"{where}: not a readable DCP metadata file (corrupt, truncated or crafted?): {err}",
+            path=where,
         ) from None
-    except (Exception, RecursionError) as err:  # the C unpickler on corrupt input
+    except Exception as err:  # noqa: BLE001 - the C unpickler raises anything on corrupt input
         text = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointReadError(
             f"{where}: not a readable DCP metadata file (corrupt or truncated?): {text[:300]}",
