@@ -2,66 +2,72 @@
 
 torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` without any
 restriction, and torch's weights-only unpickler cannot read it (DCP pickles with
-protocol 4/5; that VM stops at the FRAME opcode) and would be several times
-slower than the C unpickler anyway. This module runs CPython's C unpickler, which
-is fast, and makes it safe in four layers. Each layer is needed; together they
-mean that a hostile file can neither run code, nor change interpreter state, nor
-make the reader allocate or compute more than a small multiple of its own size.
+protocol 4/5; that VM stops at the FRAME opcode) and would be several times slower
+than the C unpickler anyway. This module runs CPython's C unpickler, which is fast,
+and makes it safe in four layers. Each is needed; together they mean a crafted file
+can neither run code, nor change interpreter state, nor make the reader allocate or
+compute much more than its own size.
 
-1. **A token grammar, checked before unpickling** (:func:`_scan`). One regular
-   expression, which runs in C, walks the whole opcode stream and admits only the
-   opcodes Python's pickler writes for DCP metadata. Refused outright: opcodes
-   that allocate from a length field before reading the data (``BINBYTES*``,
+1. **A token grammar, checked first** (:data:`_TOKEN`, one regular expression that
+   runs in C over the whole stream). Only the opcodes Python's pickler writes for
+   DCP metadata pass, in the order it writes them. Refused outright: opcodes that
+   allocate from a length field before the data is read (``BINBYTES*``,
    ``BYTEARRAY8``), explicit memo stores (``PUT``/``BINPUT``/``LONG_BINPUT``: the C
-   unpickler zeroes a memo as large as the index), ``DUP``/``POP``, sets and
-   frozensets, extensions, persistent ids, out-of-band buffers, ``INST``/``OBJ``/
-   ``NEWOBJ_EX`` and the text-argument opcodes of protocol 0 (except ``GLOBAL``).
-   Every tuple must be built by a *tuple pattern* whose elements are the tokens
-   right before it: scalars, strings, memo fetches, globals, reduce calls with
-   scalar arguments, or int-only tuples (tensor sizes) -- so tuples nest at most
-   two deep and hold at most 1024 elements, and hashing one as a dict key costs
-   little (a 10^6-deep tuple used as a key crashes CPython; a shared tuple of
-   tuples 40 deep takes 2^40 steps to hash).
-2. **A memo discipline** (:func:`_check_fetches`). Python's pickler memoizes every
-   container but never fetches one back: DCP metadata shares strings, classes and
-   dtypes, never a tuple, list or dict. A fetch of a memoized container is
-   refused, so every container has one parent: nothing is copied or hashed
-   twice, and no "billion laughs" structure can be built.
+   unpickler zeroes a memo as large as the index, 1 GiB for a 9-byte file),
+   ``DUP``/``POP``, sets and frozensets, extensions, persistent ids, out-of-band
+   buffers, ``INST``/``OBJ``/``NEWOBJ_EX`` and the text opcodes of protocol 0 but
+   ``GLOBAL``; ints longer than 9 bytes; a MEMOIZE anywhere but after an object
+   the pickler memoizes; tuple opcodes directly on a tuple (``((((),),),)``) but
+   for ``(dims,)``; strings longer than the rest of the file.
+2. **No container is referenced twice** (:func:`_rewrite`). The pickler memoizes
+   every container but DCP metadata never fetches one back (it shares strings,
+   classes and dtypes). Each ``<container opcode> MEMOIZE`` is rewritten to
+   ``<container opcode> EMPTY_TUPLE MEMOIZE POP``, so the memo holds ``()`` where it
+   held the container: a DCP-written file unpickles to the same objects, and a
+   crafted one that fetches a container gets ``()``, which validation refuses where
+   it lands. So no tuple is shared (a "billion laughs" of tuples 40 deep takes 2^40
+   steps to hash as a dict key, in any unpickler) and no dict is copied into a
+   million records by ``BUILD``. The same ``re.split`` drops FRAMEs (read-ahead
+   hints) and re-checks the grammar.
 3. **Stand-ins instead of globals** (:class:`_Unpickler`). ``find_class`` never
-   returns a real class or function of torch or pathlib. DCP's record classes
-   (``Metadata``, ``TensorStorageMetadata``, ...) are replaced by private classes
-   with no methods, whose metaclass refuses attribute assignment; the pickle's
-   ``BUILD`` therefore lands only on fresh instances of them (``BUILD`` on a class
-   or on a stand-in function fails), and only sets that instance's ``__dict__``.
-   ``torch.Size`` and the dtypes are immutable C objects and are returned as
-   they are; layouts and memory formats come from lookups in private tables
-   (bound ``dict.__getitem__``: no attributes to set), and paths become inert
-   tokens. Nothing the pickle can reach can be patched: ``pathlib.Path``,
-   ``torch.serialization._get_layout`` (whose ``cache`` attribute a ``BUILD``
-   could otherwise replace) and DCP's classes are never on the unpickler's stack.
-4. **Validation, then conversion** (:func:`_convert`). The loaded tree is walked
-   once: every record must have exactly its declared fields with values of the
-   declared types (sizes are non-negative ints, offsets fit their sizes, paths are
-   strings, storage entries name files by relative path ...). Only then are the
-   stand-ins turned into instances of DCP's real classes (``__class__``
-   assignment, no constructor runs) and ``storage_data`` rebuilt with the real
-   ``MetadataIndex`` hashing.
+   returns a real class or function of torch or pathlib. DCP's record classes are
+   replaced by private classes with no methods whose metaclass refuses attribute
+   assignment, so the pickle's ``BUILD`` lands only on fresh instances of them and
+   only sets that instance's ``__dict__`` (``BUILD`` on a class, or on a stand-in
+   callable, which has no ``__dict__``, fails). ``torch.Size`` calls go through a
+   stand-in that checks the argument first; dtypes are immutable C objects; layouts
+   and memory formats come from private tables; paths become inert tokens.
+   Nothing the pickle can reach can be patched: ``pathlib.Path``,
+   ``torch.serialization._get_layout`` (whose ``cache`` attribute a ``BUILD`` could
+   replace for the whole process) and DCP's classes are never on the stack.
+4. **Validation, then conversion** (:func:`_convert`). The result is checked column
+   by column: every record has exactly its declared fields with values of the
+   declared types (sizes non-negative, at most :data:`MAX_DIMS` dims, chunks of the
+   tensor's rank, paths of strings and list indices within the file's size, storage
+   entries a relative path, offset and length ...). Only then do the stand-ins
+   become instances of DCP's real classes (``__class__`` assignment: no constructor
+   runs) and ``storage_data`` is rebuilt with ``MetadataIndex``'s own hash.
 
-Work is linear in the file's size: the scan runs in C over the bytes once per
-pass, the unpickler's allocations follow the tokens it reads (nothing allocates
-from a length field before the data is there), and the conversion visits each
-object once.
+Two more measures bound the work. CPython hashes a tuple recursively in C, and
+layer 1 cannot stop all nesting (``((t, 1), 2)`` built element by element is plain
+pickle): a dict key nested 10^6 deep overflows an 8 MiB stack. The unpickler runs
+in a thread whose stack fits tuples nested as deep as the file has tuples
+(:func:`_load_deep`). And the cyclic garbage collector is paused while the
+acyclic result is built (:func:`_gc_paused`): its passes over millions of new
+objects are most of ``pickle.load``'s time at DeepSeek-V3 scale.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import io
+import itertools
+import operator
 import pathlib
 import pickle
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, Final
@@ -75,8 +81,7 @@ __all__ = ["MAX_DIMS", "MAX_TUPLE", "load_metadata"]
 MAX_DIMS: Final = 64
 """The most dimensions a tensor size in ``.metadata`` may have."""
 MAX_TUPLE: Final = 1024
-"""The most elements a tuple in ``.metadata`` may have (a planner path's depth)."""
-_MAX_LONG_STRING_IN_TUPLE: Final = 1023
+"""The most parts a pickled ``pathlib`` path in ``.metadata`` may have."""
 
 
 class _Refused(Exception):
@@ -120,7 +125,7 @@ def _counted(op: int, lengths: range) -> bytes:
 
 
 _TUPLE_OPS: Final = rb"\x85\x86\x87t"
-_CONTAINER_OPS: Final = rb"\]\}\)\x85\x86\x87tuesa"  # their result is a container
+_MEMOIZED_OPS: Final = rb"\]\}\x85\x86\x87t"  # containers the pickler memoizes at birth
 _ARG_TOKENS = (
     rb"h.|j.{4}|K.|M..|J.{4}|G.{8}|\x80."
     rb"|"
@@ -129,16 +134,18 @@ _ARG_TOKENS = (
     + _counted(0x8A, range(10))  # ints up to 2**71: offsets and lengths
     + rb"|c[^\n]{1,200}\n[^\n]{1,200}\n"
 )
-# Layer 1's tokens. Zero-argument opcodes: MEMOIZE MARK NONE BUILD NEWOBJ NEWTRUE NEWFALSE
-# STACK_GLOBAL REDUCE STOP, the container opcodes EMPTY_LIST EMPTY_DICT EMPTY_TUPLE
-# SETITEMS APPENDS SETITEM APPEND, and the tuple opcodes, which may not follow one another
-# (``((((),),),)`` nests tuples; hashing a deep one as a dict key overflows the C stack)
-# except in a reduce call with one tuple argument, ``(dims,)`` for torch.Size. A FRAME
-# (a length hint, no meaning of its own) may not stand right before a MEMOIZE.
+# Layer 1's tokens: the opcodes Python's pickler writes for DCP metadata, in the order
+# it writes them. A MEMOIZE follows only a scalar, string, global, call result or
+# record, or right after the opcode that made a container (which the pickler always
+# memoizes); every non-empty tuple is memoized; tuple opcodes do not follow one another
+# (``((((),),),)`` nests tuples) except in a reduce call with one tuple argument,
+# ``(dims,)`` for torch.Size; a FRAME (a length hint) does not stand before a MEMOIZE.
 _TOKEN = (
-    rb"(?:[\x94\(Nb\x81\x88\x89\x93R\.\]\}\)uesa]"
-    rb"|[" + _TUPLE_OPS + rb"]\x94?\x85\x94?R"
-    rb"|[" + _TUPLE_OPS + rb"](?!\x94?[" + _TUPLE_OPS + rb"])"
+    rb"(?:[\(Nb\x81\x88\x89\x93R\.\]\}]"
+    rb"|[\)uesa](?!\x94)"
+    rb"|\x94(?!\x94)"
+    rb"|[" + _TUPLE_OPS + rb"]\x94\x85\x94R"
+    rb"|[" + _TUPLE_OPS + rb"]\x94(?![" + _TUPLE_OPS + rb"])"
     rb"|\x95.{8}(?!\x94)"
     rb"|" + _ARG_TOKENS + rb")"
 )
@@ -151,23 +158,23 @@ _OPNAMES: Final = {
 
 
 def _scan(data: bytes) -> list[bytes]:
-    """Check the token grammar; return the token-aligned segments between long strings.
+    """Check the token grammar (layer 1); return the stream cut into token-aligned pieces.
 
-    Strings with 4/8-byte length fields are checked against the bytes left and cut out
-    (a string is never a memo fetch or store itself, so the memo events of the segments
-    are those of the stream).
+    Strings with 4/8-byte length fields are checked against the bytes left and become
+    pieces of their own (the regular expression cannot skip a counted field); the
+    other pieces are runs of ordinary tokens, which :func:`_rewrite` processes.
     """
     if len(data) < 2 or data[0] != 0x80 or data[1] not in (2, 3, 4, 5):
         raise _Bad("not a pickle of protocol 2-5")
-    segments: list[bytes] = []
+    pieces: list[bytes] = [data[:2]]
     start = pos = 2
     size = len(data)
     while True:
         found = _GRAMMAR.match(data, pos)
         end = found.end() if found else pos
         if end >= size:
-            segments.append(data[start:size])
-            return segments
+            pieces.append(data[start:size])
+            return pieces
         op = data[end]
         if op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
             width = 4 if op == 0x58 else 8
@@ -175,66 +182,133 @@ def _scan(data: bytes) -> list[bytes]:
             if len(head) < width:
                 raise _Bad(f"truncated at offset {end}")
             length = int.from_bytes(head, "little")
-            if length > size - (end + 1 + width):
+            stop = end + 1 + width + length
+            if stop > size:
                 raise _Bad(f"a string at offset {end} is longer than the rest of the file")
-            segments.append(data[start:end])
-            start = pos = end + 1 + width + length
+            if data[stop : stop + 2] == b"\x94\x94":
+                raise _Refused(f"pickle opcode MEMOIZE twice at offset {stop}")
+            pieces.append(data[start:end])
+            pieces.append(b"L" + data[end:stop])  # marked: copied as it is
+            start = pos = stop
         elif _TOKEN_RE.match(data[end : end + 1024] + bytes(1024)):
             raise _Bad(f"truncated at offset {end}")  # a token cut short by the end
         elif op in (0x85, 0x86, 0x87, 0x74):
-            raise _Refused(f"a tuple nested in a tuple at offset {end}")
+            raise _Refused(f"a tuple opcode at offset {end} in a place DCP never writes one")
         else:
             name = _OPNAMES.get(op, f"byte {op:#04x}")
             raise _Refused(f"pickle opcode {name} at offset {end}")
 
 
-# ---- layer 2: the memo discipline (plain tokens: every MEMOIZE is its own token here)
+# ---- layer 2: the memo discipline
+#
+# Python's pickler memoizes every container it writes but never fetches one back (DCP
+# metadata shares strings, classes and dtypes, never a tuple, list or dict). So each
+# ``<container opcode> MEMOIZE`` is rewritten to ``<container opcode> EMPTY_TUPLE MEMOIZE
+# POP``: the memo slot holds ``()`` instead of the container. A legitimate file unpickles
+# to the same objects; a crafted one that fetches a container gets ``()``, which
+# validation refuses wherever it lands, and can never share a tuple (the "billion laughs"
+# of tuples that take 2^40 steps to hash as a dict key) or a dict (a BUILD state copied
+# into a million records). FRAMEs are dropped (they only tell a reader how much to read
+# ahead, and the rewrite moves their boundaries).
+#
+# One ``re.split`` does it: its pattern takes a run of tokens and then one event (a
+# memoized container, a FRAME, or the end), so every match starts where the previous
+# one ended and the tokens stay aligned.
 
-_PLAIN = rb"[\(Nb\x81\x88\x89\x93R\.]|\x95.{8}|" + _ARG_TOKENS
-# one match per MEMOIZE: b"" when it stores a scalar, string, record or global; the
-# container opcode before it when it stores a container. The last match is the end.
-_MEMO_EVENTS = re.compile(
-    rb"(?:[" + _CONTAINER_OPS + rb"](?!\x94)|" + _PLAIN + rb")*+"
-    rb"(?:([" + _CONTAINER_OPS + rb"]?)\x94|\Z)",
+# the same grammar as _TOKEN, with each memoized container and each FRAME an event
+_RUN = (
+    rb"((?:[\(Nb\x81\x88\x89\x93R\.]|[\]\}](?!\x94)|[\)uesa](?!\x94)|\x94(?!\x94)|"
+    + _ARG_TOKENS
+    + rb")*+)"
+)
+_EVENTS = re.compile(
+    _RUN
+    + rb"(?:(["
+    + _TUPLE_OPS
+    + rb"])\x94(?=\x85\x94R|(?!["
+    + _TUPLE_OPS
+    + rb"]))"
+    + rb"|([\]\}])\x94(?!\x94)|\x95.{8}(?!\x94)|\Z)",
     re.DOTALL,
 )
-_NO_GET = rb"[\x94" + _CONTAINER_OPS + rb"]|" + _PLAIN
-_GET1_EVENTS = re.compile(rb"(?:" + _NO_GET.replace(rb"h.|", b"") + rb")*+(?:h(.)|\Z)", re.DOTALL)
-_GET4_EVENTS = re.compile(
-    rb"(?:" + _NO_GET.replace(rb"|j.{4}", b"") + rb")*+(?:j(.{4})|\Z)", re.DOTALL
-)
+_POISON_TUPLE: Final[dict[Any, bytes]] = {
+    bytes([c]): bytes([c]) + b")\x940" for c in b"\x85\x86\x87t"
+}
+# after a list or dict; None: a FRAME (dropped) or the end
+_POISON_OTHER: Final[dict[Any, bytes]] = {b"]": b"])\x940", b"}": b"})\x940", None: b""}
 
 
-def _check_fetches(segments: list[bytes]) -> None:
-    """Refuse a memo fetch of a container (layer 2); vectorized with torch."""
-    kinds = bytearray()
-    gets: list[bytes] = []
-    longs: list[bytes] = []
-    for seg in segments:
-        kinds += bytes(map(len, _MEMO_EVENTS.findall(seg)[:-1]))
-        gets.append(b"".join(_GET1_EVENTS.findall(seg)))
-        longs.append(b"".join(_GET4_EVENTS.findall(seg)))
-    if not kinds:
-        return
-    memo = torch.frombuffer(kinds, dtype=torch.uint8).bool()
-    one = b"".join(gets)
-    four = b"".join(longs)
-    index = torch.cat(
-        [
-            torch.frombuffer(bytearray(one), dtype=torch.uint8).long() if one else _NONE,
-            torch.frombuffer(bytearray(four), dtype=torch.int32).long() & 0xFFFFFFFF
-            if four
-            else _NONE,
-        ]
-    )
-    if sys.byteorder == "big":  # pragma: no cover - pickle's ints are little-endian
-        raise _Bad("reading DCP metadata needs a little-endian machine")
-    index = index[index < len(memo)]
-    if bool(memo[index].any()):
-        raise _Refused("a second reference to a memoized container (DCP metadata has none)")
+def _rewrite(pieces: list[bytes]) -> tuple[bytes, int]:
+    """The stream with container memo slots poisoned and FRAMEs dropped; its tuple count.
+
+    Also the grammar check of layer 1 for each piece: a token the grammar refuses
+    leaves bytes between two matches, and :class:`_Misaligned` is raised.
+    """
+    out: list[bytes] = [pieces[0]]
+    tuples = 0
+    for piece in pieces[1:]:
+        if piece[:1] == b"L":
+            out.append(piece[1:])
+            continue
+        # per event: [gap, run, tuple op | None, list/dict op | None]; then the last gap
+        parts = _EVENTS.split(piece)
+        if any(parts[0::4]):
+            raise _Misaligned
+        tuple_ops = parts[2::4]
+        tuples += len(tuple_ops) - tuple_ops.count(None)
+        joined: list[bytes] = [b""] * (2 * len(tuple_ops))
+        joined[0::2] = parts[1::4]  # the runs, unchanged
+        joined[1::2] = map(
+            _POISON_TUPLE.get, tuple_ops, map(_POISON_OTHER.__getitem__, parts[3::4])
+        )
+        del parts
+        out.append(b"".join(joined))
+    return b"".join(out), tuples
 
 
-_NONE: Final = torch.zeros(0, dtype=torch.long)
+class _Misaligned(Exception):
+    """The one-pass rewrite met a token it does not know: check with :func:`_scan`."""
+
+
+_STACK_PER_LEVEL: Final = 128  # bytes of C stack one level of hashing a nested tuple takes (~80)
+_MAX_STACK: Final = 1 << 31
+
+
+def _load_deep(stream: bytes, tuples: int) -> Any:
+    """Unpickle in a thread whose C stack fits hashing tuples nested ``tuples`` deep.
+
+    Layer 1 stops most nesting, not all of it (``((t, 1), 2)`` built element by element
+    is legal pickle), and CPython hashes a tuple recursively in C: a dict key nested
+    10^6 deep overflows an 8 MiB stack. Nesting cannot be deeper than there are tuples.
+    """
+    need = (16 << 20) + _STACK_PER_LEVEL * tuples
+    if need > _MAX_STACK:
+        raise _Bad(
+            f"{tuples} tuples: more than this reader's C stack ({_MAX_STACK >> 20} MiB) fits"
+        )
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            # buffered: without FRAMEs the unpickler would call read() once per opcode
+            result.append(_Unpickler(io.BufferedReader(io.BytesIO(stream), 1 << 16)).load())
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            result.append(err)
+
+    with _STACK_LOCK:
+        old = threading.stack_size(max(need, 1 << 20))
+        try:
+            worker = threading.Thread(target=run, name="dsdmerge-dcp-metadata")
+            worker.start()
+        finally:
+            threading.stack_size(old)
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+_STACK_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------------------
@@ -290,10 +364,19 @@ class _TensorProperties(_Record):
         self.__dict__["_state"] = state
 
 
-class _PathToken(tuple):  # type: ignore[type-arg]
+class _PathToken(metaclass=_Sealed):
     """What a pickled ``pathlib`` path unpickles to: its class name and parts, inert."""
 
-    __slots__ = ()
+    __slots__ = ("name", "parts")
+    name: str
+    parts: tuple[Any, ...]
+
+    def __init__(self, name: str, parts: tuple[Any, ...]) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "parts", parts)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _Refused(f"setting {name!r} on a stand-in")
 
 
 class _PathFactory(metaclass=_Sealed):
@@ -309,7 +392,7 @@ class _PathFactory(metaclass=_Sealed):
         raise _Refused(f"setting {name!r} on a stand-in")
 
     def __call__(self, *parts: Any) -> _PathToken:
-        return _PathToken((self._name, parts))
+        return _PathToken(self._name, parts)
 
 
 class _Call(metaclass=_Sealed):
@@ -417,15 +500,45 @@ def _fields(obj: Any, cls: type, required: frozenset[str], optional: frozenset[s
     return d
 
 
-def _size(value: Any, what: str) -> Any:
-    if type(value) is not torch.Size or len(value) > MAX_DIMS or (value and min(value) < 0):
-        raise _Bad(f"{what} is not a tensor size")
-    return value
-
-
 def _opt_str(value: Any, what: str) -> None:
     if value is not None and type(value) is not str:
         raise _Bad(f"{what} is not a string")
+
+
+# The checks below run column by column through C-level builtins (``map``, ``set``,
+# ``operator``), not one Python statement per record: at DeepSeek-V3 scale there are
+# millions of records, and a per-record loop would cost more than the unpickling.
+
+
+_vars: Final = operator.attrgetter("__dict__")  # C speed, unlike a Python function
+
+
+def _all_of(values: Any, types: frozenset[type], what: str) -> None:
+    found = set(map(type, values))
+    if not found <= types:
+        names = sorted(t.__name__.lstrip("_") for t in found - types)
+        raise _Bad(f"{what}: found {', '.join(names[:3])}")
+
+
+def _records(objs: list[Any], cls: type, fields: frozenset[str], what: str) -> list[Any]:
+    """The ``__dict__`` of each record, checked to be ``cls`` with exactly ``fields``."""
+    _all_of(objs, frozenset({cls}), what)
+    dicts = list(map(_vars, objs))
+    if not all(map(operator.eq, map(dict.keys, dicts), itertools.repeat(fields))):
+        raise _Bad(f"{what}: a record without exactly the fields {sorted(fields)}")
+    return dicts
+
+
+def _sizes(values: list[Any], what: str) -> None:
+    _all_of(values, frozenset({torch.Size}), what)
+    if max(map(len, values), default=0) > MAX_DIMS:
+        raise _Bad(f"{what}: more than {MAX_DIMS} dimensions")
+    if min(map(min, filter(None, values)), default=0) < 0:
+        raise _Bad(f"{what}: a negative size")
+
+
+def _become(objs: Any, real: type) -> None:
+    collections.deque(map(setattr, objs, itertools.repeat("__class__"), itertools.repeat(real)), 0)
 
 
 _EMPTY: Final = frozenset[str]()
@@ -438,6 +551,8 @@ _MI_OPT: Final = frozenset({"offset", "index"})
 _SI_REQ: Final = frozenset({"relative_path", "offset", "length"})
 _SI_OPT: Final = frozenset({"transform_descriptors"})
 _SM_OPT: Final = frozenset({"checkpoint_id", "save_id", "load_id", "modules"})
+_TP_FIELDS: Final = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+_TP_TYPES: Final = (torch.dtype, torch.layout, bool, torch.memory_format, bool)
 
 
 def _convert(root: Any, *, budget: int) -> Any:
@@ -451,66 +566,83 @@ def _convert(root: Any, *, budget: int) -> Any:
     sdm = top["state_dict_metadata"]
     if type(sdm) is not dict:
         raise _Bad("state_dict_metadata is not a dict")
-    records: list[tuple[Any, type]] = [(root, md.Metadata)]
-    for key, value in sdm.items():
-        if type(key) is not str:
-            raise _Bad("a state_dict_metadata key is not a string")
-        kind = type(value)
-        if kind is _BytesStorageMetadata:
-            if value.__dict__:
-                raise _Bad(f"{key!r}: a BytesStorageMetadata with fields")
-            records.append((value, md.BytesStorageMetadata))
-            continue
-        d = _fields(value, _TensorStorageMetadata, _TSM_F, _EMPTY)
-        size = _size(d["size"], f"{key!r}: size")
-        props = d["properties"]
-        _convert_properties(props, key, md.TensorProperties)
-        chunks = d["chunks"]
-        if type(chunks) is not list:
-            raise _Bad(f"{key!r}: chunks is not a list")
-        for chunk in chunks:
-            c = _fields(chunk, _ChunkStorageMetadata, _CHUNK_F, _EMPTY)
-            offsets = _size(c["offsets"], f"{key!r}: a chunk offset")
-            sizes = _size(c["sizes"], f"{key!r}: a chunk size")
-            if len(offsets) != len(size) or len(sizes) != len(size):
-                raise _Bad(f"{key!r}: a chunk with {len(sizes)} dimensions in {len(size)}")
-            if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
-                raise _Bad(f"{key!r}: a chunk reaches past the tensor's size")
-            records.append((chunk, md.ChunkStorageMetadata))
-        records.append((value, md.TensorStorageMetadata))
+    _all_of(sdm, frozenset({str}), "a state_dict_metadata key")
+    values = list(sdm.values())
+    _all_of(values, frozenset({_TensorStorageMetadata, _BytesStorageMetadata}), "an entry")
+    plain = [v for v in values if type(v) is _BytesStorageMetadata]
+    if any(map(len, map(_vars, plain))):
+        raise _Bad("a BytesStorageMetadata with fields")
+    tensors = [v for v in values if type(v) is _TensorStorageMetadata]
+    tsm = _records(tensors, _TensorStorageMetadata, _TSM_F, "a tensor entry")
+    props = list(map(operator.itemgetter("properties"), tsm))
+    sizes = list(map(operator.itemgetter("size"), tsm))
+    chunk_lists = list(map(operator.itemgetter("chunks"), tsm))
+    _sizes(sizes, "a tensor size")
+    states = list(
+        map(
+            operator.itemgetter("_state"),
+            _records(props, _TensorProperties, _TP_F, "tensor properties"),
+        )
+    )
+    _all_of(states, frozenset({tuple}), "tensor properties")
+    if set(map(len, states)) - {5}:
+        raise _Bad("tensor properties are not a 5-tuple")
+    for column, kind, name in zip(zip(*states, strict=False), _TP_TYPES, _TP_FIELDS, strict=False):
+        _all_of(column, frozenset({kind}), f"tensor properties' {name}")
+    _all_of(chunk_lists, frozenset({list}), "a tensor's chunks")
+    chunks = list(itertools.chain.from_iterable(chunk_lists))
+    cd = _records(chunks, _ChunkStorageMetadata, _CHUNK_F, "a chunk")
+    offsets = list(map(operator.itemgetter("offsets"), cd))
+    extents = list(map(operator.itemgetter("sizes"), cd))
+    _sizes(offsets, "a chunk offset")
+    _sizes(extents, "a chunk size")
+    ndims = list(
+        itertools.chain.from_iterable(map(itertools.repeat, map(len, sizes), map(len, chunk_lists)))
+    )
+    if list(map(len, offsets)) != ndims or list(map(len, extents)) != ndims:
+        raise _Bad("a chunk with another number of dimensions than its tensor")
 
     planner = top.get("planner_data")
     if planner is not None:
         _check_planner(planner, budget)
     storage = top.get("storage_data")
-    items: list[tuple[Any, Any]] = []
     if storage is not None:
         if type(storage) is not dict:
             raise _Bad("storage_data is not a dict")
-        for index, info in storage.items():
-            i = _fields(index, _MetadataIndex, _MI_REQ, _MI_OPT)
-            if type(i["fqn"]) is not str:
-                raise _Bad("a storage index's fqn is not a string")
-            offset = i.get("offset")
-            if offset is not None:
-                _size(offset, f"{i['fqn']!r}: storage offset")
-            if i.get("index") is not None and type(i["index"]) is not int:
-                raise _Bad(f"{i['fqn']!r}: storage index is not an int")
-            s = _fields(info, _StorageInfo, _SI_REQ, _SI_OPT)
-            if type(s["relative_path"]) is not str:
-                raise _Bad(f"{i['fqn']!r}: relative_path is not a string")
-            if type(s["offset"]) is not int or type(s["length"]) is not int:
-                raise _Bad(f"{i['fqn']!r}: offset or length is not an int")
-            if s["offset"] < 0 or s["length"] < 0:
-                raise _Bad(f"{i['fqn']!r}: negative offset or length")
-            td = s.get("transform_descriptors")
-            if td is not None and (
-                type(td) not in (list, tuple) or any(type(t) is not str for t in td)
-            ):
-                raise _Bad(f"{i['fqn']!r}: transform_descriptors are not strings")
-            records.append((index, md.MetadataIndex))
-            records.append((info, RealStorageInfo))
-            items.append((index, info))
+        indexes = list(storage)
+        infos = list(storage.values())
+        _all_of(indexes, frozenset({_MetadataIndex}), "a storage index")
+        _all_of(infos, frozenset({_StorageInfo}), "a storage entry")
+        idx = list(map(_vars, indexes))
+        if not all(map(operator.le, map(dict.keys, idx), itertools.repeat(_MI_REQ | _MI_OPT))):
+            raise _Bad("a storage index with other fields")
+        if not all(map(operator.contains, map(dict.keys, idx), itertools.repeat("fqn"))):
+            raise _Bad("a storage index without an fqn")
+        _all_of(map(operator.itemgetter("fqn"), idx), frozenset({str}), "a storage index's fqn")
+        offsets_ = list(map(dict.get, idx, itertools.repeat("offset")))
+        _all_of(offsets_, frozenset({torch.Size, type(None)}), "a storage offset")
+        _sizes(list(filter(None, offsets_)), "a storage offset")
+        hints = map(dict.get, idx, itertools.repeat("index"))
+        _all_of(hints, frozenset({int, type(None)}), "a storage index hint")
+        info = list(map(_vars, infos))
+        if not all(map(operator.le, map(dict.keys, info), itertools.repeat(_SI_REQ | _SI_OPT))):
+            raise _Bad("a storage entry with other fields")
+        if not all(map(operator.le, itertools.repeat(_SI_REQ), map(dict.keys, info))):
+            raise _Bad("a storage entry without a relative_path, offset and length")
+        _all_of(
+            map(operator.itemgetter("relative_path"), info), frozenset({str}), "a relative_path"
+        )
+        numbers = list(map(operator.itemgetter("offset"), info))
+        numbers += map(operator.itemgetter("length"), info)
+        _all_of(numbers, frozenset({int}), "a storage offset or length")
+        if min(numbers, default=0) < 0:
+            raise _Bad("a negative storage offset or length")
+        descriptors = list(
+            filter(None, map(dict.get, info, itertools.repeat("transform_descriptors")))
+        )
+        for td in descriptors:
+            if type(td) not in (list, tuple) or any(type(t) is not str for t in td):
+                raise _Bad("transform_descriptors are not strings")
     meta = top.get("storage_meta")
     if meta is not None:
         m = _fields(meta, _StorageMeta, _EMPTY, _SM_OPT)
@@ -521,7 +653,7 @@ def _convert(root: Any, *, budget: int) -> Any:
             raise _Bad("storage_meta.modules is not a list of strings")
         cid = m.get("checkpoint_id")
         if type(cid) is _PathToken:
-            name, parts = cid
+            name, parts = cid.name, cid.parts
             if not all(type(p) is str for p in parts) or len(parts) > MAX_TUPLE:
                 raise _Bad("storage_meta.checkpoint_id is not a path")
             try:
@@ -530,58 +662,52 @@ def _convert(root: Any, *, budget: int) -> Any:
                 raise _Bad(f"storage_meta.checkpoint_id: {err}") from None
         else:
             _opt_str(cid, "storage_meta.checkpoint_id")
-        records.append((meta, md.StorageMeta))
     _opt_str(top.get("version"), "version")
+
     # every value has been checked: only now do the stand-ins become DCP's classes
-    for obj, real in records:
-        obj.__class__ = real
+    collections.deque(
+        map(
+            setattr,
+            props,
+            itertools.repeat("__dict__"),
+            map(dict, map(zip, itertools.repeat(_TP_FIELDS), states)),
+        ),
+        0,
+    )
+    _become(props, md.TensorProperties)
+    _become(chunks, md.ChunkStorageMetadata)
+    _become(tensors, md.TensorStorageMetadata)
+    _become(plain, md.BytesStorageMetadata)
     if storage is not None:
-        top["storage_data"] = dict(items)  # rehashed with MetadataIndex's own hash
+        _become(indexes, md.MetadataIndex)
+        _become(infos, RealStorageInfo)
+        top["storage_data"] = dict(zip(indexes, infos, strict=True))  # MetadataIndex's own hash
+    if meta is not None:
+        _become([meta], md.StorageMeta)
+    _become([root], md.Metadata)
     return root
 
 
-def _convert_properties(props: Any, key: str, real: type) -> None:
-    d = _fields(props, _TensorProperties, frozenset({"_state"}), _EMPTY)
-    state = d["_state"]
-    if type(state) is not tuple or len(state) != 5:
-        raise _Bad(f"{key!r}: tensor properties are not a 5-tuple")
-    dtype, layout, requires_grad, memory_format, pin_memory = state
-    if (
-        type(dtype) is not torch.dtype
-        or type(layout) is not torch.layout
-        or type(requires_grad) is not bool
-        or type(memory_format) is not torch.memory_format
-        or type(pin_memory) is not bool
-    ):
-        raise _Bad(f"{key!r}: tensor properties of the wrong types")
-    props.__dict__ = {
-        "dtype": dtype,
-        "layout": layout,
-        "requires_grad": requires_grad,
-        "memory_format": memory_format,
-        "pin_memory": pin_memory,
-    }
-    props.__class__ = real
+_TP_F: Final = frozenset({"_state"})
 
 
 def _check_planner(planner: Any, budget: int) -> None:
     if type(planner) is not dict:
         raise _Bad("planner_data is not a dict")
-    total = 0
-    for key, path in planner.items():
-        if type(key) is not str:
-            raise _Bad("a planner_data key is not a string")
-        if type(path) not in (tuple, list) or not path or type(path[0]) is not str:
-            raise _Bad(f"{key!r}: planner_data path is not a path")
-        total += len(path)
-        for part in path:
-            if type(part) is int:
-                if not 0 <= part <= budget:
-                    raise _Bad(f"{key!r}: planner_data list index {part} is out of bounds")
-            elif type(part) is not str:
-                raise _Bad(f"{key!r}: planner_data path holds a {type(part).__name__}")
+    _all_of(planner, frozenset({str}), "a planner_data key")
+    paths = list(planner.values())
+    _all_of(paths, frozenset({tuple, list}), "a planner_data path")
+    if min(map(len, paths), default=1) < 1:
+        raise _Bad("an empty planner_data path")
+    _all_of(map(operator.itemgetter(0), paths), frozenset({str}), "a planner_data path's start")
+    total = sum(map(len, paths))
     if total > budget:
         raise _Bad("planner_data paths are longer than the file")
+    parts = list(itertools.chain.from_iterable(paths))
+    _all_of(parts, frozenset({str, int}), "a planner_data path part")
+    ints = [p for p in parts if type(p) is int]
+    if ints and (min(ints) < 0 or max(ints) > budget):
+        raise _Bad("a planner_data list index out of bounds")
 
 
 # --------------------------------------------------------------------------------------
@@ -633,11 +759,15 @@ def load_metadata(data: bytes, *, where: str) -> Any:
         CheckpointReadError: The file is corrupt, truncated or not DCP metadata.
     """
     try:
-        segments = _scan(data)
-        _check_fetches(segments)
-        del segments
+        try:  # usually one pass; a long string or a refused token needs the careful scan
+            if len(data) < 2 or data[0] != 0x80 or data[1] not in (2, 3, 4, 5):
+                raise _Bad("not a pickle of protocol 2-5")
+            stream, tuples = _rewrite([data[:2], data[2:]])
+        except _Misaligned:
+            stream, tuples = _rewrite(_scan(data))
         with _gc_paused():
-            root = _Unpickler(io.BytesIO(data)).load()
+            root = _load_deep(stream, tuples)
+            del stream
             return _convert(root, budget=len(data))
     except _Refused as err:
         raise UnsafeCheckpointError(
