@@ -530,7 +530,12 @@ def _fsync(path: Path) -> None:
 def _write_torch(state_dict: Mapping[str, Any], tmp: Path) -> None:
     import torch
 
-    torch.save(state_dict, tmp)
+    try:
+        torch.save(state_dict, tmp)
+    except RecursionError:
+        raise CLIError(
+            "cannot write a torch checkpoint: a value is nested too deeply for torch.save"
+        ) from None
     _fsync(tmp)
 
 

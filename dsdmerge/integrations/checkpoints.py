@@ -254,11 +254,19 @@ class CheckpointView(Mapping[str, Any]):
 
 
 def _metas(value: Any) -> Iterator[TensorMeta]:
-    if type(value) is TensorMeta:
-        yield value
-    elif type(value) in (list, tuple):
-        for item in value:
-            yield from _metas(item)
+    """The TensorMetas in ``value`` and in the lists and tuples it holds, at any depth.
+
+    Iterative and cycle-safe: a crafted torch file can hold a 50,000-deep or cyclic list.
+    """
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if type(item) is TensorMeta:
+            yield item
+        elif type(item) in (list, tuple) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(reversed(item))
 
 
 def _nbytes(meta: TensorMeta) -> int:
