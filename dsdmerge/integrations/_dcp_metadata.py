@@ -228,7 +228,7 @@ _EVENTS = re.compile(
     + rb"])\x94(?=\x85\x94R|(?!["
     + _TUPLE_OPS
     + rb"]))"
-    + rb"|([\]\}])\x94(?!\x94)|\x95.{8}(?!\x94)|\Z)",
+    + rb"|([\]\}])\x94(?!\x94)|(\x95).{8}(?!\x94)|\Z|(.))",  # (.): a token it refuses
     re.DOTALL,
 )
 _POISON_TUPLE: Final[dict[Any, bytes]] = {
@@ -238,31 +238,60 @@ _POISON_TUPLE: Final[dict[Any, bytes]] = {
 _POISON_OTHER: Final[dict[Any, bytes]] = {b"]": b"])\x940", b"}": b"})\x940", None: b""}
 
 
-def _rewrite(pieces: list[bytes]) -> tuple[bytes, int]:
+def _frames(data: bytes) -> int:
+    """How many FRAMEs the stream is made of, each length checked (``-1``: unframed).
+
+    Python's pickler (protocol 4+) writes a chain of frames, each starting where the
+    previous one ends. torch's reader fails on a frame longer than the file; this
+    reader drops frames, so it checks them here, to refuse what torch cannot read.
+    """
+    if data[2:3] != b"\x95":
+        return -1
+    pos, size, count = 2, len(data), 0
+    while pos < size:
+        if data[pos] != 0x95 or pos + 9 > size:
+            return -2  # not a plain chain: counted by the careful scan
+        length = int.from_bytes(data[pos + 1 : pos + 9], "little")
+        if length > size - pos - 9:
+            raise _Bad(f"a frame at offset {pos} is longer than the rest of the file")
+        pos += 9 + length
+        count += 1
+    return count
+
+
+def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
     """The stream with container memo slots poisoned and FRAMEs dropped; its tuple count.
 
     Also the grammar check of layer 1 for each piece: a token the grammar refuses
     leaves bytes between two matches, and :class:`_Misaligned` is raised.
     """
     out: list[bytes] = [pieces[0]]
-    tuples = 0
+    tuples = frame_events = 0
     for piece in pieces[1:]:
         if piece[:1] == b"L":
             out.append(piece[1:])
             continue
-        # per event: [gap, run, tuple op | None, list/dict op | None]; then the last gap
+        # per event: [gap, run, tuple op, list/dict op, FRAME, refused token] (the groups
+        # that did not take part are None), then the last gap. A refused token is an event
+        # of its own, so the split never restarts inside a token (which would cost a scan
+        # of the rest of the stream per byte).
         parts = _EVENTS.split(piece)
-        if any(parts[0::4]):
+        if parts[5::6].count(None) != len(parts) // 6 or any(parts[0::6]):
             raise _Misaligned
-        tuple_ops = parts[2::4]
+        frame_events += len(parts[4::6]) - parts[4::6].count(None)
+        tuple_ops = parts[2::6]
         tuples += len(tuple_ops) - tuple_ops.count(None)
         joined: list[bytes] = [b""] * (2 * len(tuple_ops))
-        joined[0::2] = parts[1::4]  # the runs, unchanged
+        joined[0::2] = parts[1::6]  # the runs, unchanged
         joined[1::2] = map(
-            _POISON_TUPLE.get, tuple_ops, map(_POISON_OTHER.__getitem__, parts[3::4])
+            _POISON_TUPLE.get, tuple_ops, map(_POISON_OTHER.__getitem__, parts[3::6])
         )
         del parts
         out.append(b"".join(joined))
+    if frames >= 0 and frame_events != frames:
+        # a frame that starts inside a token, or a FRAME opcode inside a frame: torch's
+        # reader fails on such a stream, so this one refuses it too
+        raise _Bad("its frames do not follow its opcodes")
     return b"".join(out), tuples
 
 
@@ -762,9 +791,10 @@ def load_metadata(data: bytes, *, where: str) -> Any:
         try:  # usually one pass; a long string or a refused token needs the careful scan
             if len(data) < 2 or data[0] != 0x80 or data[1] not in (2, 3, 4, 5):
                 raise _Bad("not a pickle of protocol 2-5")
-            stream, tuples = _rewrite([data[:2], data[2:]])
+            frames = _frames(data)
+            stream, tuples = _rewrite([data[:2], data[2:]], frames=frames)
         except _Misaligned:
-            stream, tuples = _rewrite(_scan(data))
+            stream, tuples = _rewrite(_scan(data), frames=_frames(data))
         with _gc_paused():
             root = _load_deep(stream, tuples)
             del stream
