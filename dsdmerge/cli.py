@@ -161,7 +161,8 @@ def _inspect(args: argparse.Namespace) -> int:
         ("dtypes", dtypes),
     ]
     if view.metadata:  # a safetensors header's __metadata__ (format, step, notes ...)
-        rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in view.metadata.items())))
+        pairs = sorted(view.metadata.items())
+        rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in pairs)))
     print(style.paint(view.path, "1"))
     if style.table:
         for name, value in rows:

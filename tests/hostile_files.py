@@ -144,7 +144,15 @@ def build_on_class_allowed(module: str, name: str, attr: str) -> bytes:
 
 def bytearray_bomb() -> bytes:
     """``bytearray(2**31)`` in 30-odd bytes."""
-    return b"\x80\x04" + g("builtins", "bytearray") + b"J\x00\x00\x00\x80" + TUPLE1 + REDUCE + STOP
+    return (
+        b"\x80\x04"
+        + g("builtins", "bytearray")
+        + b"J\x00\x00\x00\x80"
+        + TUPLE1
+        + MEMO
+        + REDUCE
+        + STOP
+    )
 
 
 def memo_bomb() -> bytes:
@@ -166,11 +174,12 @@ def planner_bomb() -> bytes:
 
 
 def hash_bomb(levels: int = 40) -> bytes:
-    """Tuples of tuples sharing one memo slot per level: 2**levels steps to hash as a key."""
-    body = NONE + TUPLE1 + MEMO
+    """``t[k+1] = (t[k], t[k])`` through the memo, then ``{t[levels]: None}``: hashing the
+    key takes 2**levels steps (the memo makes the tuples a DAG, the hash walks a tree)."""
+    body = EMPTY_DICT + MEMO + NONE + TUPLE1 + MEMO  # the dict is memo 0, t[0] memo 1
     for level in range(levels):
-        body += get(level) + get(level) + TUPLE2 + MEMO
-    return PROTO4 + EMPTY_DICT + MEMO + body + NONE + SETITEM + STOP
+        body += get(level + 1) + TUPLE2 + MEMO
+    return PROTO4 + body + NONE + SETITEM + STOP
 
 
 def deep_tuple_key(depth: int = 1_000_000) -> bytes:

@@ -665,7 +665,12 @@ def _convert(root: Any, *, budget: int) -> Any:
         numbers += map(operator.itemgetter("length"), info)
         _all_of(numbers, frozenset({int}), "a storage offset or length")
         if min(numbers, default=0) < 0:
-            raise _Bad("a negative storage offset or length")
+            fqn = next(
+                i["fqn"]
+                for i, d in zip(idx, info, strict=True)
+                if min(d["offset"], d["length"]) < 0
+            )
+            raise _Bad(f"the storage entry of {fqn!r} has a negative offset or length")
         descriptors = list(
             filter(None, map(dict.get, info, itertools.repeat("transform_descriptors")))
         )

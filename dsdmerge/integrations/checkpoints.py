@@ -542,6 +542,8 @@ def _check_trust(trusted: Any) -> Trust:
         raise InvalidPolicyError(
             f"trusted globals must be 'module.Name' strings; got {', '.join(bad[:5])}"
         )
+    for name in names:  # a name that does not resolve is the caller's mistake: say so now
+        _resolve_global(name)
     return tuple(names)
 
 
