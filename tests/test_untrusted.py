@@ -670,3 +670,28 @@ def test_output_format_is_a_pure_function():
     assert cli.output_format(Path("x.ckpt"), "safetensors") == "safetensors"
     with pytest.raises(cli.CLIError):
         cli.output_format(Path("x.pth"), "dcp")
+
+
+def test_the_flat_view_shortcut_agrees_with_rebuilding_the_nesting(tmp_path):
+    from dsdmerge.integrations import checkpoints as c
+
+    sd = {"model": {"layers": {"0": {"w": torch.ones(2)}}, "head.b": torch.zeros(1)}, "step": 4}
+    dcp_save(sd, tmp_path / "plain")
+    _view, md = read_dcp_metadata(str(tmp_path / "plain"), trusted=False)
+    paths = c._dcp_paths(md)
+    assert c._plain_paths(paths)
+    fast = c._dcp_entries(str(tmp_path / "plain"), md, trusted=False)
+    slow = dm.flatten(
+        c._rebuild(
+            str(tmp_path / "plain"),
+            md,
+            lambda k, p, m: fast[k],
+            budget=1 << 20,
+        )
+    )
+    assert list(fast) == list(slow)
+    # a key that is not its path joined, or a path through another's value: the long way
+    assert not c._plain_paths({"x": ("a", "b")})
+    assert not c._plain_paths({"a": ("a",), "a.b": ("a", "b")})
+    assert not c._plain_paths({"optim.state.w": ("optim", "state", "w")})
+    assert not c._plain_paths({"g.0": ("g", 0)})

@@ -177,12 +177,16 @@ class CheckpointView(Mapping[str, Any]):
         count = 0
         nbytes = 0
         dtypes: dict[str, int] = {}
-        for value in entries.values():
-            for meta in _metas(value):
-                count += 1
-                nbytes += _nbytes(meta)
-                name = dtype_name(meta.dtype)
-                dtypes[name] = dtypes.get(name, 0) + 1
+        values = entries.values()
+        metas = [v for v in values if type(v) is TensorMeta]  # the common case, in C
+        for value in values:
+            if type(value) in (list, tuple):
+                metas.extend(_metas(value))
+        for meta in metas:
+            count += 1
+            nbytes += _nbytes(meta)
+            name = dtype_name(meta.dtype)
+            dtypes[name] = dtypes.get(name, 0) + 1
         self._tensor_count = count
         self._nbytes = nbytes
         self._dtypes = dict(sorted(dtypes.items()))
@@ -953,6 +957,13 @@ def _dcp_entries(where: str, metadata: Any, *, trusted: Trust) -> dict[str, Any]
             return _dcp_read_bytes(where, metadata, key, trusted=trusted)
         return UNREAD
 
+    paths = _dcp_paths(metadata)
+    if _plain_paths(paths):
+        # Only names, and none that can start an optimizer state dict: the flat view is
+        # DCP's own keys (DCP joins a path with dots, as flatten does), so the nested
+        # rebuild is skipped (a third of the time of `inspect` at DeepSeek-V3 scale).
+        sdm = metadata.state_dict_metadata
+        return {key: make(key, path, sdm[key]) for key, path in paths.items()}
     root = _rebuild(where, metadata, make, budget=_metadata_size(where))
     try:
         return flatten(root)
@@ -962,6 +973,28 @@ def _dcp_entries(where: str, metadata: Any, *, trusted: Trust) -> dict[str, Any]
             f"{_reason(err)}",
             path=where,
         ) from err
+
+
+_OPTIMIZER_PARTS: Final = frozenset({"state", "param_groups"})
+
+
+def _plain_paths(paths: dict[str, tuple[Any, ...]]) -> bool:
+    """Whether flattening the nesting the paths describe gives exactly DCP's own keys.
+
+    True when every path is names only (no list index), none ``state`` or
+    ``param_groups`` (no optimizer state dict to flatten its own way), each key is its
+    path joined with dots (as DCP writes it), and no path runs through another's value.
+    """
+    fulls: set[tuple[Any, ...]] = set()
+    prefixes: set[tuple[Any, ...]] = set()
+    for key, path in paths.items():
+        if not all(type(p) is str for p in path) or not _OPTIMIZER_PARTS.isdisjoint(path):
+            return False
+        if key != ".".join(path):
+            return False
+        fulls.add(path)
+        prefixes.update(path[:k] for k in range(1, len(path)))
+    return prefixes.isdisjoint(fulls)
 
 
 def _metadata_size(where: str) -> int:
