@@ -17,19 +17,21 @@ whole state dict.
 
 Nothing here runs code from a checkpoint unless asked to with ``trusted=True``:
 
-* torch files go through ``torch.load(weights_only=True)``;
-* a DCP ``.metadata`` file goes through a restricted unpickler that admits only
-  the DCP metadata classes, ``torch.Size``, dtypes, layouts and memory formats,
-  and ``pathlib`` paths (torch's own ``FileSystemReader.read_metadata`` unpickles
-  it without restriction);
+* torch files go through ``torch.load(weights_only=True)``; ``trusted=[...]`` adds
+  the named globals to its allow-list (``torch.serialization.safe_globals``);
+* a DCP ``.metadata`` file goes through :mod:`dsdmerge.integrations._dcp_metadata`,
+  a restricted and bounded unpickler that admits only DCP's metadata classes,
+  ``torch.Size``, dtypes, layouts, memory formats and paths, never lets the pickle
+  touch a real class or function, and validates every field (torch's own
+  ``FileSystemReader.read_metadata`` unpickles it without restriction);
 * DCP bytes entries (non-tensor values) go through ``torch.load(weights_only=True)``
-  (torch's ``DefaultLoadPlanner`` uses ``weights_only=False``);
-* safetensors headers are JSON, parsed here, so :func:`read_metadata` does not
-  need the ``safetensors`` package (:func:`load_checkpoint` does: install the
-  ``safetensors`` extra).
+  (torch's ``DefaultLoadPlanner`` uses ``weights_only=False``), read only from
+  regular files inside the checkpoint directory, within their size;
+* safetensors headers are read and validated by the ``safetensors`` library.
 
 Anything outside those allow-lists raises :class:`~dsdmerge.UnsafeCheckpointError`
-before it runs.
+before it runs, naming what it needed; anything malformed raises
+:class:`~dsdmerge.CheckpointReadError`. No other exception leaves these readers.
 """
 
 from __future__ import annotations
