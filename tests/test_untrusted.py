@@ -695,3 +695,15 @@ def test_the_flat_view_shortcut_agrees_with_rebuilding_the_nesting(tmp_path):
     assert not c._plain_paths({"a": ("a",), "a.b": ("a", "b")})
     assert not c._plain_paths({"optim.state.w": ("optim", "state", "w")})
     assert not c._plain_paths({"g.0": ("g", 0)})
+
+
+def test_a_fifo_or_device_is_never_read_as_a_checkpoint(tmp_path):
+    fifo = tmp_path / "ckpt.pt"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer came
+    assert_error(run_here("inspect", str(fifo)), "ckpt.pt", "not a regular file")
+    assert_error(run_here("inspect", "/dev/zero"), "/dev/zero", "not a regular file")
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    os.mkfifo(dcp / ".metadata")
+    with pytest.raises(dm.CheckpointReadError, match="not a regular file"):
+        read_metadata(dcp)

@@ -320,6 +320,10 @@ def detect_format(path: str | os.PathLike[str], /) -> CheckpointFormat:
         if p.is_dir():
             if (p / _METADATA_FILE).is_file():
                 return "dcp"
+            if os.path.lexists(p / _METADATA_FILE):
+                raise CheckpointReadError(
+                    f"{where}: its {_METADATA_FILE} is not a regular file", path=where
+                )
             raise CheckpointReadError(
                 f"{where}: a directory without a {_METADATA_FILE} file is not a DCP checkpoint "
                 "(was the save interrupted?)",
