@@ -40,6 +40,7 @@ import contextlib
 import importlib
 import io
 import itertools
+import operator
 import os
 import pathlib
 import pickle
@@ -443,14 +444,18 @@ def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, An
     trusted = _check_trust(trusted)
     if detect_format(where) != "dcp":
         raise CheckpointReadError(f"{where}: not a DCP checkpoint directory", path=where)
-    with _reading(where):
+    from dsdmerge.integrations._dcp_metadata import _gc_paused
+
+    # the collector is paused for the view too: with millions of records just made, each
+    # of its passes would walk them all (reads in several threads share one pause)
+    with _reading(where), _gc_paused():
         metadata = _read_dcp_metadata(where, trusted=trusted)
         entries = _dcp_entries(where, metadata, trusted=trusted)
-    # DCP records each saved value's path in the state dict: nested when one has two parts
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
-    layout = Layout.NESTED if nested else Layout.FLAT
-    return CheckpointView(entries, path=where, format="dcp", layout=layout), metadata
+        # DCP records each saved value's path in the state dict: nested when one has two parts
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
+        layout = Layout.NESTED if nested else Layout.FLAT
+        return CheckpointView(entries, path=where, format="dcp", layout=layout), metadata
 
 
 def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) -> dict[str, Any]:
@@ -850,11 +855,24 @@ def _read_dcp_metadata(where: str, *, trusted: Trust) -> Any:
 
 
 def _dcp_paths(metadata: Any) -> dict[str, tuple[Any, ...]]:
-    """Each DCP key's path in the nested state dict (from ``planner_data`` when recorded)."""
+    """Each DCP key's path in the nested state dict (from ``planner_data`` when recorded).
+
+    Column by column in C when every key has a well-formed path (the usual case, and
+    always so after the safe reader's validation); key by key otherwise.
+    """
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    keys = list(metadata.state_dict_metadata)
+    raw: list[Any] = list(map(planner_data.get, keys))
+    if keys and set(map(type, raw)) <= {tuple, list} and min(map(len, raw)) > 0:
+        parts = list(itertools.chain.from_iterable(raw))
+        if (
+            set(map(type, parts)) <= {str, int}
+            and set(map(type, map(operator.itemgetter(0), raw))) == {str}
+            and min((p for p in parts if type(p) is int), default=0) >= 0
+        ):
+            return dict(zip(keys, map(tuple, raw), strict=True))
     out: dict[str, tuple[Any, ...]] = {}
-    for key in metadata.state_dict_metadata:
-        path = planner_data.get(key)
+    for key, path in zip(keys, raw, strict=True):
         if (
             isinstance(path, (tuple, list))
             and path
@@ -990,17 +1008,19 @@ def _plain_paths(paths: dict[str, tuple[Any, ...]]) -> bool:
     True when every path is names only (no list index), none ``state`` or
     ``param_groups`` (no optimizer state dict to flatten its own way), each key is its
     path joined with dots (as DCP writes it), and no path runs through another's value.
+    Checked column by column in C.
     """
-    fulls: set[tuple[Any, ...]] = set()
-    prefixes: set[tuple[Any, ...]] = set()
-    for key, path in paths.items():
-        if not all(type(p) is str for p in path) or not _OPTIMIZER_PARTS.isdisjoint(path):
+    values = list(paths.values())
+    parts = list(itertools.chain.from_iterable(values))
+    if set(map(type, parts)) - {str} or not _OPTIMIZER_PARTS.isdisjoint(parts):
+        return False
+    if not all(map(operator.eq, paths, map(".".join, values))):
+        return False
+    whole = set(values)
+    for k in range(1, max(map(len, values), default=1)):
+        if not whole.isdisjoint({p[:k] for p in values if len(p) > k}):
             return False
-        if key != ".".join(path):
-            return False
-        fulls.add(path)
-        prefixes.update(path[:k] for k in range(1, len(path)))
-    return prefixes.isdisjoint(fulls)
+    return True
 
 
 def _metadata_size(where: str) -> int:
