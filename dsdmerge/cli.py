@@ -7,13 +7,15 @@ Subcommands:
 * ``dsdmerge diff CHECKPOINT REFERENCE``: what differs, as an exact compressed
   report; exit 0 when nothing differs, 1 when something does, 2 on error.
 * ``dsdmerge merge CHECKPOINT REFERENCE -o OUT``: merge under a policy and write
-  the result, in the checkpoint's format, atomically.
+  the result atomically, in the format OUT's name says (``--format`` must agree);
+  ``--force`` replaces only a checkpoint file or a DCP checkpoint directory.
 * ``dsdmerge demo``: the resume story on a built-in tiny model.
 
 PATH may be a torch ``.pt``/``.pth``/``.bin`` file, a ``.safetensors`` file or
 a ``torch.distributed.checkpoint`` directory. Pickles are never given an
-unrestricted unpickler unless ``--trust`` is passed. Errors print one line on
-stderr and exit 2. This is the only module of dsdmerge that prints.
+unrestricted unpickler unless ``--trust`` is passed (``--safe-globals module.Name``
+allows single globals). Errors print one line on stderr and exit 2. This is the only
+module of dsdmerge that prints.
 """
 
 from __future__ import annotations

@@ -259,12 +259,15 @@ def canary_diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
                 # torch fills the layout cache lazily; only its identity is watched
                 if attrs.get(key) is not now.get(key):
                     changed.append(f"{name}.{key}")
+            elif key in _LAZY and key not in attrs and not now[key]:
+                continue  # an empty cache CPython adds on first use (annotations, slotnames)
             elif attrs.get(key, _GONE) is not now.get(key, _GONE):
                 changed.append(f"{name}.{key}")
     return sorted(changed)
 
 
 _GONE = object()
+_LAZY = frozenset({"__annotations__", "__slotnames__"})
 
 
 # -- a bounded child -----------------------------------------------------------------------
