@@ -504,11 +504,18 @@ def _stand_in(module: str, name: str) -> Any:
     return None
 
 
+def _shown(text: str) -> str:
+    """A name from the file, fit for a one-line message (printable, at most 120 chars)."""
+    if text.isprintable() and len(text) <= 120:
+        return text
+    return repr(text[:120]) + ("..." if len(text) > 120 else "")
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _stand_in(module, name)
         if found is None:
-            raise _Refused(f"{module}.{name}")
+            raise _Refused(_shown(f"{module}.{name}"))
         return found
 
     def persistent_load(self, pid: Any) -> Any:

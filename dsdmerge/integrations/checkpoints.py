@@ -643,9 +643,11 @@ def _torch_error(
         if not unsafe:
             found = re.search(r"GLOBAL (\S+)", text)
             unsafe = [found.group(1)] if found else []
+        from dsdmerge.integrations._dcp_metadata import _shown
+
         what = (
             f"needs {len(unsafe)} global(s) outside torch's weights_only allow-list: "
-            f"{', '.join(unsafe[:20])}{' ...' if len(unsafe) > 20 else ''}"
+            f"{', '.join(map(_shown, unsafe[:20]))}{' ...' if len(unsafe) > 20 else ''}"
             if unsafe
             else "holds something outside torch's weights_only allow-list"
         )
