@@ -216,7 +216,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
-    from dsdmerge.integrations.checkpoints import load_checkpoint, read_metadata
+    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint, read_metadata
     from dsdmerge.report import render
 
     _trust_warning(args)
@@ -228,9 +228,9 @@ def _merge(args: argparse.Namespace) -> int:
     ref = load_checkpoint(args.reference, trusted=trusted)
     metadata: dict[str, str] = {}
     if fmt == "safetensors":  # keep the files' own __metadata__ (format, step, notes ...)
-        metadata = read_metadata(args.checkpoint, trusted=trusted).metadata or (
-            read_metadata(args.reference, trusted=trusted).metadata
-        )
+        for source in (args.checkpoint, args.reference):
+            if not metadata and detect_format(source) == "safetensors":
+                metadata = read_metadata(source).metadata
     policy = dm.resolve_policy(args.policy)
     if args.on_shape_mismatch == "take-reference":
         policy = policy.replace(shape="warn")
