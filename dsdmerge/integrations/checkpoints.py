@@ -67,6 +67,7 @@ from dsdmerge.layout import Layout, classify
 __all__ = [
     "CheckpointFormat",
     "CheckpointView",
+    "Trust",
     "detect_format",
     "load_checkpoint",
     "read_metadata",
