@@ -526,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         update_readme(HERE.parent / "README.md", text)
         print("README.md updated")
+    if args.quick:  # the safe .metadata reader's smoke run too (full run: bench_read.py)
+        import bench_read
+
+        print()
+        print(bench_read.report(bench_read.run(quick=True)))
     return 0
 
 

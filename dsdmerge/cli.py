@@ -7,13 +7,15 @@ Subcommands:
 * ``dsdmerge diff CHECKPOINT REFERENCE``: what differs, as an exact compressed
   report; exit 0 when nothing differs, 1 when something does, 2 on error.
 * ``dsdmerge merge CHECKPOINT REFERENCE -o OUT``: merge under a policy and write
-  the result, in the checkpoint's format, atomically.
+  the result atomically, in the format OUT's name says (``--format`` must agree);
+  ``--force`` replaces only a checkpoint file or a DCP checkpoint directory.
 * ``dsdmerge demo``: the resume story on a built-in tiny model.
 
 PATH may be a torch ``.pt``/``.pth``/``.bin`` file, a ``.safetensors`` file or
 a ``torch.distributed.checkpoint`` directory. Pickles are never given an
-unrestricted unpickler unless ``--trust`` is passed. Errors print one line on
-stderr and exit 2. This is the only module of dsdmerge that prints.
+unrestricted unpickler unless ``--trust`` is passed (``--safe-globals module.Name``
+allows single globals). Errors print one line on stderr and exit 2. This is the only
+module of dsdmerge that prints.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
+import stat
 import sys
 import tempfile
 import warnings
@@ -36,8 +40,10 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_OK",
     "CLIError",
+    "FORMATS",
     "build_parser",
     "main",
+    "output_format",
     "write_checkpoint",
 ]
 
@@ -95,13 +101,20 @@ def _trust_warning(args: argparse.Namespace) -> None:
         )
 
 
-def _read(path: str, *, trusted: bool) -> tuple[Any, str]:
+def _trusted(args: argparse.Namespace) -> bool | list[str]:
+    """``trusted=`` for the library: ``--trust``, else the ``--safe-globals`` list."""
+    if getattr(args, "trust", False):
+        return True
+    return list(getattr(args, "safe_globals", None) or []) or False
+
+
+def _read(path: str, *, trusted: bool | list[str]) -> tuple[Any, str]:
     """The metadata-only view of a checkpoint and the layout it was saved in."""
     view = _view(path, trusted=trusted)
     return view, view.layout.value
 
 
-def _view(path: str, *, trusted: bool) -> Any:
+def _view(path: str, *, trusted: bool | list[str]) -> Any:
     from dsdmerge.integrations.checkpoints import read_metadata
 
     return read_metadata(path, trusted=trusted)
@@ -123,7 +136,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from dsdmerge.report import compress, render_patterns
 
     _trust_warning(args)
-    view, layout = _read(args.path, trusted=args.trust)
+    view, layout = _read(args.path, trusted=_trusted(args))
     patterns = compress(view, max_parts=16)
     if args.json:
         _print_json(
@@ -135,6 +148,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 "tensors": view.tensor_count,
                 "bytes": view.nbytes,
                 "dtypes": view.dtypes,
+                "metadata": view.metadata,
                 "patterns": [p.to_dict() for p in patterns],
             }
         )
@@ -148,6 +162,9 @@ def _inspect(args: argparse.Namespace) -> int:
         ("tensors", f"{view.tensor_count:,} ({_bytes(view.nbytes)})"),
         ("dtypes", dtypes),
     ]
+    if view.metadata:  # a safetensors header's __metadata__ (format, step, notes ...)
+        pairs = sorted(view.metadata.items())
+        rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in pairs)))
     print(style.paint(view.path, "1"))
     if style.table:
         for name, value in rows:
@@ -171,8 +188,8 @@ def _diff(args: argparse.Namespace) -> int:
     from dsdmerge.report import render, summary
 
     _trust_warning(args)
-    ckpt = _view(args.checkpoint, trusted=args.trust)
-    ref = _view(args.reference, trusted=args.trust)
+    ckpt = _view(args.checkpoint, trusted=_trusted(args))
+    ref = _view(args.reference, trusted=_trusted(args))
     d = dm.diff(ckpt, ref)
     # the status is the answer: a reader that stops early (`| head`) must not turn it into 0
     with _reader_may_leave():
@@ -199,17 +216,21 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
-    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint
+    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint, read_metadata
     from dsdmerge.report import render
 
     _trust_warning(args)
     out = Path(args.out)
-    _check_out(out, force=args.force)
-    fmt = detect_format(args.checkpoint)
-    if fmt != "dcp" and out.is_dir():
-        raise CLIError(f"{out}: is a directory; a {fmt} checkpoint is written as one file")
-    ckpt = load_checkpoint(args.checkpoint, trusted=args.trust)
-    ref = load_checkpoint(args.reference, trusted=args.trust)
+    fmt = output_format(out, args.format)
+    _check_out(out, force=args.force, fmt=fmt)
+    trusted = _trusted(args)
+    ckpt = load_checkpoint(args.checkpoint, trusted=trusted)
+    ref = load_checkpoint(args.reference, trusted=trusted)
+    metadata: dict[str, str] = {}
+    if fmt == "safetensors":  # keep the files' own __metadata__ (format, step, notes ...)
+        for source in (args.checkpoint, args.reference):
+            if not metadata and detect_format(source) == "safetensors":
+                metadata = read_metadata(source).metadata
     policy = dm.resolve_policy(args.policy)
     if args.on_shape_mismatch == "take-reference":
         policy = policy.replace(shape="warn")
@@ -230,8 +251,8 @@ def _merge(args: argparse.Namespace) -> int:
     for w in caught:
         text = str(w.message).removeprefix("dsdmerge: ")
         _stderr(f"dsdmerge: warning: {_cli_advice(text)}")
-    _check_out(out, force=args.force)  # again: it may have appeared while we merged
-    write_checkpoint(merged.state_dict, out, fmt, force=args.force)
+    _check_out(out, force=args.force, fmt=fmt)  # again: it may have appeared while we merged
+    write_checkpoint(merged.state_dict, out, fmt, force=args.force, metadata=metadata)
     style = _Style.of(sys.stdout)
     print(f"wrote {out} ({fmt}, {len(dm.flatten(merged.state_dict)):,} keys)")
     if merged.diff:
@@ -253,29 +274,159 @@ def _cli_advice(text: str) -> str:
     return text
 
 
-def _check_out(out: Path, *, force: bool) -> None:
-    if (out.exists() or out.is_symlink()) and not force:
-        raise CLIError(f"{out}: already exists; pass --force to replace it")
+FORMATS = ("torch", "safetensors", "dcp")
+"""The formats ``merge`` writes (``--format``)."""
+
+_SUFFIX_FORMAT = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".safetensors": "safetensors"}
+_NAMES = {
+    "torch": "a .pt, .pth or .bin file name",
+    "safetensors": "a .safetensors file name",
+    "dcp": "a directory name without a suffix",
+}
+
+
+def output_format(out: Path, requested: str | None = None, /) -> str:
+    """The format ``OUT``'s name says, checked against ``--format``.
+
+    ``.pt``/``.pth``/``.bin``: torch; ``.safetensors``: safetensors; no suffix: a DCP
+    directory. Another suffix says nothing, so ``--format`` must. Does not touch the
+    file system.
+
+    Args:
+        out: The output path.
+        requested: ``--format`` (``None`` when not given).
+
+    Returns:
+        ``"torch"``, ``"safetensors"`` or ``"dcp"``.
+
+    Raises:
+        CLIError: The name and ``--format`` disagree, or neither says a format.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from dsdmerge.cli import output_format
+        >>> output_format(Path("resume.pt")), output_format(Path("merged"))
+        ('torch', 'dcp')
+    """
+    suffix = out.suffix.lower()
+    named = _SUFFIX_FORMAT.get(suffix) if suffix else "dcp"
+    if requested is None:
+        if named is None:
+            raise CLIError(
+                f"{out}: the name does not say a format ({suffix!r}); name it .pt, .pth or "
+                ".bin (torch), .safetensors, or a directory without a suffix (DCP), or pass "
+                "--format torch|safetensors|dcp"
+            )
+        return named
+    if named is not None and named != requested:
+        raise CLIError(
+            f"{out}: the name says {named} but --format {requested} was given; for "
+            f"{requested} use {_NAMES[requested]}, or drop --format to write {named}"
+        )
+    return requested
+
+
+_DCP_FILES = re.compile(r"\.metadata|.+\.distcp")
+
+
+def _not_a_dcp_checkpoint(out: Path) -> str | None:
+    """Why directory ``out`` is not a DCP checkpoint (``None`` when it is one)."""
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as err:
+        return f"cannot be listed ({' '.join(str(err).split())})"
+    if ".metadata" not in names:
+        return "has no .metadata file"
+    for name in names:
+        if not _DCP_FILES.fullmatch(name):
+            return f"holds {name!r}, which is not a DCP checkpoint file"
+        if not stat.S_ISREG(os.lstat(out / name).st_mode):
+            return f"holds {name!r}, which is not a regular file"
+    return None
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _check_out(out: Path, *, force: bool, fmt: str | None = None) -> None:
+    """Refuse an OUT that exists (without ``--force``) or that ``--force`` may not replace.
+
+    ``--force`` replaces a regular file (for torch and safetensors) or a directory that
+    is a DCP checkpoint (``.metadata`` and ``*.distcp`` files only, for DCP); never a
+    directory of anything else, a link, a device or a FIFO.
+    """
     if not out.parent.is_dir():
         raise CLIError(f"{out}: directory {out.parent} does not exist")
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise CLIError(f"{out}: cannot be checked: {' '.join(str(err).split())}") from err
+    if not force:
+        raise CLIError(f"{out}: already exists; pass --force to replace it")
+    nothing = "nothing was replaced"
+    if stat.S_ISREG(mode):
+        if fmt == "dcp":
+            raise CLIError(
+                f"{out}: is a file, and a DCP checkpoint is a directory; remove it or choose "
+                f"another OUT ({nothing})"
+            )
+        return
+    if stat.S_ISDIR(mode):
+        if fmt not in (None, "dcp"):
+            raise CLIError(f"{out}: is a directory; a {fmt} checkpoint is one file ({nothing})")
+        problem = _not_a_dcp_checkpoint(out)
+        if problem:
+            raise CLIError(
+                f"{out}: --force replaces only a DCP checkpoint directory, and this one "
+                f"{problem} ({nothing})"
+            )
+        return
+    raise CLIError(
+        f"{out}: is a {_kind(mode)}, not a checkpoint file or directory; --force replaces "
+        f"only those ({nothing})"
+    )
 
 
-def write_checkpoint(state_dict: Mapping[str, Any], out: Path, fmt: str, *, force: bool) -> None:
+def write_checkpoint(
+    state_dict: Mapping[str, Any],
+    out: Path,
+    fmt: str,
+    *,
+    force: bool,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Write ``state_dict`` to ``out`` in format ``fmt``, atomically.
 
     The data goes to a temporary file (or directory) next to ``out``, which is
     renamed over ``out`` only once complete, so a failure part-way leaves
     ``out`` as it was (absent, or the old checkpoint) and no temporary behind.
+    With ``force``, ``out`` may be replaced if it is a regular file (torch,
+    safetensors) or a DCP checkpoint directory (dcp), even a read-only one the user
+    may rename (as ``mv`` would); anything else is refused. The new file keeps the
+    old one's permission bits (never setuid, setgid or sticky).
 
     Args:
         state_dict: The state dict to write.
         out: The destination.
         fmt: ``"torch"``, ``"safetensors"`` or ``"dcp"``.
         force: Replace an existing ``out``.
+        metadata: safetensors only: the header's ``__metadata__`` strings.
 
     Raises:
-        CLIError: ``out`` exists and ``force`` is false, or the state dict
-            cannot be written in that format.
+        CLIError: ``out`` exists and ``force`` is false or it may not be replaced,
+            or the state dict cannot be written in that format.
 
     Example:
         >>> import tempfile, torch
@@ -288,37 +439,45 @@ def write_checkpoint(state_dict: Mapping[str, Any], out: Path, fmt: str, *, forc
     """
     writers: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
         "torch": _write_torch,
-        "safetensors": _write_safetensors,
+        "safetensors": lambda sd, tmp: _write_safetensors(sd, tmp, metadata),
         "dcp": _write_dcp,
     }
+    if fmt not in writers:
+        raise CLIError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     write = writers[fmt]
+    _check_out(out, force=force, fmt=fmt)
     parent = out.parent
-    if fmt == "dcp":
+    directory = fmt == "dcp"
+    mode = _file_mode(out, directory=directory)
+    if directory:
         tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp"))
-        os.chmod(tmp, _file_mode(out, directory=True))
     else:
         fd, name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
         tmp = Path(name)
-        os.chmod(tmp, _file_mode(out))
     try:
+        os.chmod(tmp, 0o700 if directory else 0o600)  # private until complete
         write(state_dict, tmp)
-        _replace(tmp, out, force=force)
+        os.chmod(tmp, mode)  # after writing: a writer may have made the file anew
+        _replace(tmp, out, force=force, fmt=fmt)
     except BaseException:
         _remove(tmp)
         raise
 
 
 def _file_mode(out: Path, *, directory: bool = False) -> int:
-    """The mode of what is being replaced, else what ``open()``/``mkdir()`` would create."""
+    """The permission bits of what is being replaced, else what ``open()``/``mkdir()`` make.
+
+    Never the setuid, setgid or sticky bit.
+    """
     with contextlib.suppress(OSError):
-        return out.stat().st_mode & 0o7777
+        return os.stat(out).st_mode & 0o777
     umask = os.umask(0o022)
     os.umask(umask)
     return (0o777 if directory else 0o666) & ~umask
 
 
-def _replace(tmp: Path, out: Path, *, force: bool) -> None:
+def _replace(tmp: Path, out: Path, *, force: bool, fmt: str | None = None) -> None:
     if not (out.exists() or out.is_symlink()):
         if tmp.is_dir():
             os.rename(tmp, out)
@@ -333,11 +492,8 @@ def _replace(tmp: Path, out: Path, *, force: bool) -> None:
                 return
             tmp.unlink()
         return
-    if not force:
-        raise CLIError(f"{out}: already exists; pass --force to replace it")
-    if tmp.is_dir() or out.is_dir():
-        if not out.is_dir() or out.is_symlink():
-            raise CLIError(f"{out}: exists and is not a directory; remove it first")
+    _check_out(out, force=force, fmt=fmt or ("dcp" if tmp.is_dir() else None))
+    if tmp.is_dir():
         # A directory cannot be renamed over a non-empty one: move the old one aside first.
         old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
         os.rename(out, old / "ckpt")
@@ -345,16 +501,25 @@ def _replace(tmp: Path, out: Path, *, force: bool) -> None:
             os.rename(tmp, out)
         except BaseException:
             os.rename(old / "ckpt", out)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_old(old)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_old(old)
         return
     os.replace(tmp, out)
 
 
+def _remove_old(old: Path) -> None:
+    """Delete a replaced DCP checkpoint (moved into ``old``), read-only or not."""
+    ckpt = old / "ckpt"
+    with contextlib.suppress(OSError):
+        if ckpt.is_dir() and not ckpt.is_symlink():
+            os.chmod(ckpt, stat.S_IMODE(os.lstat(ckpt).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _remove(path: Path) -> None:
     with contextlib.suppress(OSError):
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
@@ -368,20 +533,21 @@ def _fsync(path: Path) -> None:
 def _write_torch(state_dict: Mapping[str, Any], tmp: Path) -> None:
     import torch
 
-    torch.save(state_dict, tmp)
+    try:
+        torch.save(state_dict, tmp)
+    except RecursionError:
+        raise CLIError(
+            "cannot write a torch checkpoint: a value is nested too deeply for torch.save"
+        ) from None
     _fsync(tmp)
 
 
-def _write_safetensors(state_dict: Mapping[str, Any], tmp: Path) -> None:
+def _write_safetensors(
+    state_dict: Mapping[str, Any], tmp: Path, metadata: Mapping[str, str] | None = None
+) -> None:
     import torch
+    from safetensors.torch import save_file
 
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise CLIError(
-            f"{tmp.name}: writing safetensors needs the safetensors package; "
-            "pip install 'dsdmerge[safetensors]'"
-        ) from None
     bad = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if bad:
         from dsdmerge.report import format_keys
@@ -391,19 +557,33 @@ def _write_safetensors(state_dict: Mapping[str, Any], tmp: Path) -> None:
             f"({format_keys(bad, limit=3)}); merge into a torch checkpoint instead"
         )
     try:
-        save_file(dict(state_dict), str(tmp))
+        save_file(dict(state_dict), str(tmp), metadata=dict(metadata) if metadata else None)
     except (RuntimeError, ValueError) as err:
         raise CLIError(f"cannot write safetensors: {' '.join(str(err).split())}") from err
     _fsync(tmp)
 
 
 def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-        save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+            save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+    except CheckpointException as err:  # a BaseException: would escape `except Exception`
+        cause: BaseException = err
+        for pair in getattr(err, "failures", {}).values():
+            if isinstance(pair, tuple) and pair and isinstance(pair[0], BaseException):
+                cause = pair[0]
+                break
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise CLIError(
+            f"cannot write a DCP checkpoint: {type(cause).__name__}: "
+            f"{' '.join(str(cause).split())[:300]}"
+        ) from None
 
 
 # -- demo ----------------------------------------------------------------------------
@@ -468,9 +648,11 @@ examples:
   dsdmerge merge old.safetensors new.safetensors -o grown.safetensors \
       --on-shape-mismatch take-reference
 
-The result has the checkpoint's format and layout: every checkpoint value kept, every
-key only the reference has taken from it. OUT is never replaced without --force and is
-written atomically (a temporary next to it, renamed when complete).
+The result has the checkpoint's layout, in the format OUT's name says (.pt/.pth/.bin
+torch, .safetensors, a directory without a suffix DCP; --format must agree): every
+checkpoint value kept, every key only the reference has taken from it. OUT is written
+atomically (a temporary next to it, renamed when complete) and never replaced without
+--force; --force replaces only a checkpoint file or a DCP checkpoint directory.
 """,
     "demo": """\
 example:
@@ -508,6 +690,15 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"key patterns shown per section (default: {_LIMIT})",
         )
         p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
+        p.add_argument(
+            "--safe-globals",
+            action="append",
+            default=[],
+            metavar="module.Name",
+            help="also allow this global in torch pickles (torch's safe_globals), e.g. "
+            "--safe-globals argparse.Namespace; repeatable. Finer than --trust: only the "
+            "named classes and functions, which must be safe to call",
+        )
 
     inspect = add(
         "inspect",
@@ -543,11 +734,24 @@ def build_parser() -> argparse.ArgumentParser:
         "merge",
         "merge a checkpoint over a reference under a policy and write it",
         "Merge CHECKPOINT over REFERENCE under a policy and write the result to OUT in the "
-        "checkpoint's format. A policy violation exits 1 and writes nothing.",
+        "format OUT's name says. A policy violation exits 1 and writes nothing.",
     )
     merge.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint you resume from")
     merge.add_argument("reference", metavar="REFERENCE", help="a fresh state dict to backfill from")
-    merge.add_argument("-o", "--out", required=True, metavar="OUT", help="where to write")
+    merge.add_argument(
+        "-o",
+        "--out",
+        required=True,
+        metavar="OUT",
+        help="where to write; the name says the format: .pt/.pth/.bin torch, .safetensors, "
+        "a directory without a suffix DCP",
+    )
+    merge.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="the format to write; must agree with OUT's name (default: what the name says)",
+    )
     merge.add_argument(
         "--policy",
         choices=("default", "strict", "warn"),
@@ -576,7 +780,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a tensor whose shape differs: fail (default), or take the reference's tensor "
         "with a warning (torch would reject the checkpoint's)",
     )
-    merge.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    merge.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP "
+        "checkpoint directory (.metadata and .distcp files only); never anything else",
+    )
     common(merge, json_help=None)
     merge.set_defaults(func=_merge)
 
@@ -669,7 +878,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stderr("dsdmerge: interrupted")
         return 130
     except UnsafeCheckpointError as err:
-        text = _one_line(err).replace("trusted=True", "--trust")
+        text = _one_line(err).replace("trusted=['module.Name', ...]", "--safe-globals module.Name")
+        text = text.replace("trusted=True", "--trust")
         if "--trust" not in text:
             text += " Pass --trust only if you trust where it came from."
         _stderr(f"dsdmerge: error: {text}")
@@ -677,7 +887,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, DSDMergeError, OSError) as err:
         _stderr(f"dsdmerge: error: {_one_line(err)}")
         return EXIT_ERROR
-    except Exception as err:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # e.g. DCP's CheckpointException, a BaseException
         if os.environ.get("DSDMERGE_TRACEBACK"):
             raise
         _stderr(

@@ -37,3 +37,19 @@ def test_the_benchmark_measures_every_case_and_reports_the_targets(bench):
     for name, *_ in bench.TARGETS:
         assert f"| {name} |" in text
     assert "nanoseconds per key" in text
+
+
+def test_the_read_benchmark_compares_the_safe_reader_with_pickle_load():
+    spec = importlib.util.spec_from_file_location("bench_read", BENCH.parent / "bench_read.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.run(quick=True)
+    assert result["keys"] == 21_736
+    assert result["seconds"].keys() == {
+        "torch pickle.load",
+        "dsdmerge load_metadata",
+        "dsdmerge read_metadata",
+    }
+    assert "| safe read / torch pickle.load |" in module.report(result)

@@ -428,18 +428,20 @@ def test_a_failure_mid_write_leaves_out_as_it_was(
     if existing:
         if fmt == "torch":
             out.write_bytes(b"old")
-        else:
-            out.mkdir()
-            (out / "old").write_bytes(b"old")
+        else:  # --force replaces only a DCP checkpoint directory (issue 11)
+            dcp_save({"old": torch.ones(1)}, out)
     argv = ["merge", str(files / name), str(files / ref), "-o", str(out), "--force"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err
     assert "Traceback" not in err
     assert [p.name for p in tmp_path.iterdir()] == ([out.name] if existing else [])
-    if existing:
-        old = out if fmt == "torch" else out / "old"
-        assert old.read_bytes() == b"old"
+    if existing and fmt == "torch":
+        assert out.read_bytes() == b"old"
+    elif existing:  # the old DCP checkpoint, intact
+        from dsdmerge.integrations import load_checkpoint
+
+        assert torch.equal(load_checkpoint(out)["old"], torch.ones(1))
 
 
 # -- help, demo, terminals ---------------------------------------------------------------
