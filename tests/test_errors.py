@@ -79,3 +79,18 @@ def test_every_error_class_is_in_the_hierarchy():
 def test_merge_error_says_what_to_do_next():
     with pytest.raises(dm.MergeError, match="allow_missing"):
         dm.merge({}, {"a": 1}, policy="strict")
+
+
+def test_tensors_whose_shape_raises_get_a_dsdmerge_error_naming_the_key():
+    # was: the C-level shape/dtype pass let the RuntimeError of a nested tensor's .shape escape
+    class NoShape(torch.Tensor):
+        @property
+        def shape(self):  # type: ignore[override]
+            raise RuntimeError("no shape")
+
+    with pytest.warns(UserWarning, match="nested"):
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    for bad in (nested, torch.zeros(2).as_subclass(NoShape)):
+        for call in (dm.diff, dm.merge, dm.check):
+            with pytest.raises(dm.StateDictTypeError, match="'w'"):
+                call({"w": bad, "v": torch.zeros(1)}, {"w": torch.zeros(2), "v": torch.zeros(1)})
