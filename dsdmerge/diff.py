@@ -8,11 +8,15 @@ readable ``str()``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from dsdmerge._values import shape_dtype, short_repr
-from dsdmerge.errors import StateDictTypeError
+from dsdmerge.errors import DSDMergeError, StateDictTypeError
+
+if TYPE_CHECKING:
+    from dsdmerge.rename import Rules, SuggestedRename
+    from dsdmerge.resize import Resized
 
 __all__ = ["KeyDiff", "Mismatch", "TensorMeta", "diff"]
 
@@ -104,7 +108,7 @@ class Mismatch:
         }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class KeyDiff:
     """The differences between a checkpoint and a reference, by flat key.
 
@@ -115,9 +119,15 @@ class KeyDiff:
             checkpoint order (a default merge keeps them).
         mismatched: Keys in both whose tensors differ in shape or dtype, in
             reference order.
+        renames: Suggested renames (:class:`~dsdmerge.SuggestedRename`): rules
+            that would pair unexpected keys one to one with missing keys of the
+            same shapes and dtypes (``attn.wq`` -> ``attn.q_proj`` in every
+            layer). Never applied by themselves; empty when none.
+        resized: The tensors a merge with ``on_shape_mismatch="resize"`` resized
+            (:class:`~dsdmerge.Resized`); empty otherwise.
 
-    ``bool(diff)`` is ``False`` iff all three are empty; ``str(diff)`` is a
-    readable report.
+    ``bool(diff)`` is ``False`` iff missing, unexpected and mismatched are all
+    empty; ``str(diff)`` is a readable report.
 
     Example:
         >>> import dsdmerge as dm
@@ -129,9 +139,21 @@ class KeyDiff:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
+    renames: tuple[SuggestedRename, ...] = ()
+    resized: tuple[Resized, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched)
+
+    def __repr__(self) -> str:
+        # renames and resized only when there are some (the three lists always)
+        fields: list[tuple[str, tuple[Any, ...]]] = [
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("mismatched", self.mismatched),
+        ]
+        fields += [(n, v) for n, v in (("renames", self.renames), ("resized", self.resized)) if v]
+        return f"KeyDiff({', '.join(f'{n}={v!r}' for n, v in fields)})"
 
     def __str__(self) -> str:
         from dsdmerge.report import render
@@ -143,33 +165,57 @@ class KeyDiff:
         """The keys of :attr:`mismatched`, in the same order."""
         return tuple(m.key for m in self.mismatched)
 
+    @property
+    def suggested_rules(self) -> dict[str, str]:
+        r"""The :attr:`renames`, as rules for ``rename=`` (``{pattern: replacement}``, in order).
+
+        Example:
+            >>> import torch, dsdmerge as dm
+            >>> d = dm.diff({"module.w": torch.zeros(2)}, {"w": torch.zeros(2)})
+            >>> d.suggested_rules
+            {'^module\\.': ''}
+        """
+        return {s.pattern: s.replacement for s in self.renames}
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with lists ``missing``, ``unexpected`` and ``mismatched``.
+        """A JSON-ready dict of lists: the three kinds of difference, ``renames``, ``resized``.
 
         Example:
             >>> import dsdmerge as dm
             >>> dm.KeyDiff(missing=("a",)).to_dict()
-            {'missing': ['a'], 'unexpected': [], 'mismatched': []}
+            {'missing': ['a'], 'unexpected': [], 'mismatched': [], 'renames': [], 'resized': []}
         """
         return {
             "missing": list(self.missing),
             "unexpected": list(self.unexpected),
             "mismatched": [m.to_dict() for m in self.mismatched],
+            "renames": [r.to_dict() for r in self.renames],
+            "resized": [r.to_dict() for r in self.resized],
         }
 
 
-def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyDiff:
+def diff(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    /,
+    *,
+    rename: Rules | None = None,
+) -> KeyDiff:
     """Compare a checkpoint with a reference state dict, by flat key.
 
     Either side may be flat or nested (a nested side is compared as its
     :func:`~dsdmerge.flatten` would be), or a metadata-only view whose values
     are :class:`TensorMeta`. Shapes and dtypes are compared only where both
-    values are tensor-like; scalars are never mismatched. Does not modify its
-    inputs.
+    values are tensor-like; scalars are never mismatched. When keys are both
+    missing and unexpected, :attr:`KeyDiff.renames` suggests rename rules that
+    would pair them. Does not modify its inputs.
 
     Args:
         checkpoint: The state dict you loaded.
         reference: The state dict the model or optimizer has now.
+        rename: Rename rules applied to the checkpoint first (see
+            :func:`~dsdmerge.rename`); a rule that matches nothing gives a
+            :class:`~dsdmerge.DSDMergeWarning`.
 
     Returns:
         The :class:`KeyDiff`.
@@ -177,6 +223,7 @@ def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyD
     Raises:
         StateDictTypeError: An argument is not a mapping.
         LayoutError: An argument is malformed (see :func:`~dsdmerge.flatten`).
+        RenameError: A rename rule is not valid, or renames two keys to one.
 
     Example:
         >>> import torch, dsdmerge as dm
@@ -188,5 +235,41 @@ def diff(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /) -> KeyD
     """
     from dsdmerge._engine import run
 
+    if rename is not None:
+        from dsdmerge.rename import rename_checkpoint
+
+        checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
+        if unmatched:
+            import warnings
+
+            from dsdmerge.errors import DSDMergeWarning
+
+            warnings.warn(DSDMergeWarning(f"dsdmerge: {unmatched}"), stacklevel=2)
     outcome = run(checkpoint, reference, merge=False)
-    return KeyDiff(tuple(outcome.missing), tuple(outcome.unexpected), tuple(outcome.mismatches))
+    return KeyDiff(
+        tuple(outcome.missing),
+        tuple(outcome.unexpected),
+        tuple(outcome.mismatches),
+        suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
+    )
+
+
+def suggest(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+) -> tuple[SuggestedRename, ...]:
+    """The :attr:`KeyDiff.renames` for these differences (best effort: ``()`` when unsure)."""
+    if not missing or not unexpected:
+        return ()
+    from dsdmerge.flatten import flatten
+    from dsdmerge.layout import Layout, classify
+    from dsdmerge.rename import suggest_renames
+
+    try:
+        c = checkpoint if classify(checkpoint) is Layout.FLAT else flatten(checkpoint)
+        r = reference if classify(reference) is Layout.FLAT else flatten(reference)
+        return suggest_renames(c, r, missing, unexpected)
+    except DSDMergeError:  # a layout the suggestions cannot read: no suggestion
+        return ()

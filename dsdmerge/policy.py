@@ -16,6 +16,8 @@ tensor dtype mismatch     kept         kept +        error
                                        warning
 group hyperparameter      -            warning       error
 conflict
+rename rule that          warning      warning       error
+matches no key
 ========================  ===========  ============  ============
 
 Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
@@ -94,13 +96,14 @@ class Policy:
     shape: Action = "raise"
     dtype: Action = "ignore"
     conflict: Action = "ignore"
+    unmatched_rename: Action = "warn"
     allow_missing: tuple[str, ...] = ()
     allow_unexpected: tuple[str, ...] = ()
     drop_unexpected: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("missing", "unexpected", "shape", "dtype", "conflict"):
+        for field in ("missing", "unexpected", "shape", "dtype", "conflict", "unmatched_rename"):
             action = getattr(self, field)
             if action not in _ACTIONS:
                 raise InvalidPolicyError(
@@ -154,7 +157,14 @@ WARN = Policy(missing="warn", unexpected="warn", dtype="warn", conflict="warn", 
 """Like :data:`DEFAULT`, plus one summarised :class:`~dsdmerge.DSDMergeWarning` per kind of
 difference."""
 
-STRICT = Policy(missing="raise", unexpected="raise", dtype="raise", conflict="raise", name="strict")
+STRICT = Policy(
+    missing="raise",
+    unexpected="raise",
+    dtype="raise",
+    conflict="raise",
+    unmatched_rename="raise",
+    name="strict",
+)
 """Raise a :class:`~dsdmerge.MergeError` on any difference that is not allow-listed."""
 
 _NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
