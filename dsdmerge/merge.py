@@ -392,11 +392,10 @@ def _apply(
         )
     for line in conflicts:
         findings.append((policy.conflict, line))
-    if renames and (missing or unexpected):
-        rules = ", ".join(f"{r.pattern!r}: {r.replacement!r}" for r in renames)
+    if renames and unexpected:
+        hint = rename_hint(renames)
         findings = [
-            (action, text + _RENAMED.format(rules=rules) if _is_key_finding(text) else text)
-            for action, text in findings
+            (action, text + hint if _is_key_finding(text) else text) for action, text in findings
         ]
     errors = [text for action, text in findings if action == "raise"]
     errors.extend(outcome.problems)
@@ -411,7 +410,14 @@ def _apply(
     return diff, conflicts
 
 
-_RENAMED = " Some look renamed: to rename them, pass rename={{{rules}}}."
+def rename_hint(renames: Sequence[Any]) -> str:
+    """The sentence a message about unexpected keys gets when some look renamed."""
+    rules = ", ".join(f"{_raw(r.pattern)}: {r.replacement!r}" for r in renames)
+    return f" Some look renamed: to rename them, pass rename={{{rules}}}."
+
+
+def _raw(text: str) -> str:
+    return f"r'{text}'" if "'" not in text and not text.endswith("\\") else repr(text)
 
 
 def _is_key_finding(text: str) -> bool:
