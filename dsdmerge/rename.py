@@ -33,6 +33,7 @@ taken as fqns, so rename ``{"model": {...}}`` nested rather than flattened.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import warnings
 from collections import Counter
@@ -685,8 +686,7 @@ def _renamed_opt_keys(index: FlatKeys, renamer: Renamer) -> list[str]:
         map(head_map.__getitem__, changed_heads),
         map(str.removeprefix, compress(keys, mask), changed_heads),
     )
-    parts = (iter(keys), built)
-    return [next(parts[m]) for m in mask]
+    return [next(built) if m else k for k, m in zip(keys, mask, strict=True)]
 
 
 def not_id(name: str) -> bool:
@@ -840,33 +840,51 @@ def suggest_renames(
     if not c.whole or not r.whole:
         return ()
     targets = set(r.whole)
-    votes = _votes(c.whole, r.whole, targets)
     sources = set(c.whole)
+    votes = _votes(c.whole, r.whole, targets)
+    # each candidate change on its own: the first of its spellings that explains keys
+    valid: list[tuple[float, int, Rule, dict[str, str]]] = []
+    for candidate, n in votes.most_common(_TRIED):
+        for rule in _rules_for(candidate):
+            found = _explains([rule], c, r, sources, targets)
+            if found is not None:
+                valid.append((_likeness(candidate), n, rule, found))
+                break
+    # most alike names first (wq -> q_proj before wq -> k_proj), then most votes; a candidate
+    # with a rival as good for one of its parameters is ambiguous: no guess
+    valid.sort(key=lambda v: (-v[0], -v[1]))
     all_fqns: list[str] | None = None
     accepted: list[tuple[Rule, SuggestedRename]] = []
     explained: set[str] = set()
-    for candidate, _ in votes.most_common(_TRIED):
-        for rule in _rules_for(candidate):
-            found = _explains([*(a for a, _ in accepted), rule], c, r, sources, targets)
-            if found is None or not (set(found) - explained):
-                continue
-            if all_fqns is None:
-                all_fqns = c.index.fqns()
-            if not _leaves_others_alone([*(a for a, _ in accepted), rule], all_fqns, sources):
-                continue
-            new = {f: n for f, n in found.items() if f not in explained}
-            first = next(iter(new.items()))
-            n_keys = sum(len(c.parts[f]) for f in new)
-            accepted.append(
-                (
-                    rule,
-                    SuggestedRename(
-                        rule.pattern.pattern, rule.replacement, len(new), n_keys, first, rule.preset
-                    ),
-                )
-            )
-            explained.update(new)
-            break
+    taken: set[str] = set()
+    for score, n, rule, found in valid:
+        if found.keys() <= explained or taken & set(found.values()):
+            continue
+        if any(
+            (s2, n2) == (score, n) and r2 is not rule and _rivals(found, f2)
+            for s2, n2, r2, f2 in valid
+        ):
+            continue
+        rules = [*(a for a, _ in accepted), rule]
+        chained = _explains(rules, c, r, sources, targets)
+        if chained is None:
+            continue
+        if all_fqns is None:
+            all_fqns = c.index.fqns()
+        if not _leaves_others_alone(rules, all_fqns, sources):
+            continue
+        new = {f: m for f, m in chained.items() if f not in explained}
+        suggestion = SuggestedRename(
+            rule.pattern.pattern,
+            rule.replacement,
+            len(new),
+            sum(len(c.parts[f]) for f in new),
+            next(iter(new.items())),
+            rule.preset,
+        )
+        accepted.append((rule, suggestion))
+        explained.update(new)
+        taken.update(new.values())
     return tuple(s for _, s in accepted)
 
 
@@ -902,6 +920,22 @@ def _votes(
         for prefix in by_suffix.get(u, ())[:4]:
             votes["add", prefix] += 1
     return votes
+
+
+def _likeness(candidate: tuple[str, ...]) -> float:
+    """How alike the old and new names of a one-segment change are (1.0 for other changes)."""
+    if candidate[0] != "sub":
+        return 1.0
+    return difflib.SequenceMatcher(None, candidate[1], candidate[2]).ratio()
+
+
+def _rivals(a: Mapping[str, str], b: Mapping[str, str]) -> bool:
+    """Two renames that disagree: one old name to two new ones, or two old names to one."""
+    if a == b:
+        return False
+    return any(a[k] != b[k] for k in a.keys() & b.keys()) or bool(
+        {v for k, v in a.items() if k not in b} & {v for k, v in b.items() if k not in a}
+    )
 
 
 def _rules_for(candidate: tuple[str, ...]) -> list[Rule]:
@@ -957,7 +991,7 @@ def _explains(
         if old not in sources or new not in targets or new in found.values():
             return None
         c_parts, r_parts = c.parts[old], r.parts[new]
-        if c_parts.keys() != r_parts.keys():
+        if not c_parts.keys() <= r_parts.keys():  # (a parameter without state: fewer keys)
             return None
         for where, key in c_parts.items():
             if not _same_meta(c.flat[key], r.flat[r_parts[where]]):
