@@ -145,7 +145,8 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
     dimension, indices below both sizes hold the checkpoint's values (cast to the
     reference's dtype and moved to its device), all others the reference's. A
     grown dimension keeps every trained row; a shrunk one keeps the leading rows.
-    One allocation (a clone of the reference) and one copy of the overlap.
+    One allocation (a clone of the reference) and one copy of the overlap. When
+    shape, dtype and device already agree, ``checkpoint`` itself is returned.
     Does not modify its inputs; the result is a new tensor (the only kind of
     value dsdmerge ever creates), never tracked by autograd.
 
@@ -172,6 +173,12 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
     problem = why_not_resizable(checkpoint, reference)
     if problem is not None:
         raise StateDictTypeError(f"cannot resize: {problem}")
+    if (
+        checkpoint.shape == reference.shape
+        and checkpoint.dtype == reference.dtype
+        and checkpoint.device == reference.device
+    ):
+        return checkpoint
     overlap = tuple(
         slice(0, min(c, r)) for c, r in zip(checkpoint.shape, reference.shape, strict=True)
     )

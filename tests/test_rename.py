@@ -157,9 +157,7 @@ def test_diff_suggests_the_rule_a_refactor_applied_and_it_explains_every_key(pai
     back = {k.replace(".attn.query.", ".attn.wq.") for k in moved_keys}
     if plain.unexpected or not moved_keys or not back <= set(dm.flatten(ref)):
         return  # no wq parameter both sides have, or others another rule could explain
-    assert [(s.pattern, s.replacement) for s in d.renames] == [
-        (r"\.attn\.query\.", ".attn.wq.")
-    ]
+    assert [(s.pattern, s.replacement) for s in d.renames] == [(r"\.attn\.query\.", ".attn.wq.")]
     assert dm.diff(moved, ref, rename=d.suggested_rules) == plain
 
 
