@@ -86,6 +86,8 @@ def rekey(
             raise LayoutError(f"param_groups[{i}] must be a mapping with a 'params' list")
     ids = list(chain.from_iterable(g[PARAMS] for g in groups))
     kinds = {type(pid) for pid in ids}
+    if not ids:  # no parameter to rekey either way
+        return _to_fqns(optimizer_state_dict, [], [] if names is None else names)
     if kinds <= {int}:
         return _to_fqns(optimizer_state_dict, ids, names)
     if kinds <= {str}:
