@@ -1,4 +1,4 @@
-"""The command line's model surgery: --rename, --strip-prefix, --preset, --on-shape-mismatch resize."""
+"""The command line's model surgery: --rename, --strip-prefix, --preset, resizing merges."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def test_diff_prints_the_rename_it_suggests(files):
     ]
     assert report["summary"]["renames"] == report["renames"]
     ddp = run_here("diff", str(files / "ddp.safetensors"), str(files / "ref.safetensors"))
-    assert "preset 'ddp'" in ddp.stdout and "to apply: --rename '^module\\.='" in ddp.stdout
+    assert "preset 'ddp'" in ddp.stdout
+    assert "to apply: --rename '^module\\.='" in ddp.stdout
 
 
 def test_diff_through_a_rename(files):
@@ -154,7 +155,8 @@ def test_merge_strip_prefix_writes_loadable_checkpoints_in_every_format(
 def test_rename_options_are_checked(files, tmp_path):
     args = [str(files / "ddp.pt"), str(files / "ref.pt"), "-o", str(tmp_path / "o.pt")]
     bad = run_here("merge", *args, "--rename", "no-equals-sign")
-    assert bad.returncode == 2 and "PATTERN=REPLACEMENT" in bad.stderr
+    assert bad.returncode == 2
+    assert "PATTERN=REPLACEMENT" in bad.stderr
     assert_error(run_here("merge", *args, "--rename", "(=x"), "not a regular expression")
     assert_error(run_here("merge", *args, "--rename", r"^module\..*weight$=w"), "same name")
     assert not (tmp_path / "o.pt").exists()

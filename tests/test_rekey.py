@@ -64,9 +64,9 @@ def test_names_from_named_parameters_and_from_param_names():
 
 def test_too_few_or_too_many_names():
     osd = {"state": {}, "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
-    with pytest.raises(dm.DSDMergeError, match="2 name\\(s\\) for the 3 params .*2, 1 per group"):
+    with pytest.raises(dm.DSDMergeError, match=r"2 name\(s\) for the 3 params .*2, 1 per group"):
         dm.rekey(osd, ["a", "b"])
-    with pytest.raises(dm.DSDMergeError, match="4 name\\(s\\) for the 3 params"):
+    with pytest.raises(dm.DSDMergeError, match=r"4 name\(s\) for the 3 params"):
         dm.rekey(osd, ["a", "b", "c", "d"])
     with pytest.raises(dm.DSDMergeError, match="no 'param_names'"):
         dm.rekey(osd)

@@ -1,4 +1,4 @@
-"""on_shape_mismatch="resize": the trained slice of every resized tensor kept, nothing else copied."""
+"""on_shape_mismatch="resize": each resized tensor's trained slice kept, nothing else copied."""
 
 from __future__ import annotations
 
@@ -69,13 +69,17 @@ def test_resize_keeps_exactly_the_overlap_and_takes_the_rest_from_the_reference(
     ckpt, ref, chosen = case
     snaps = Snapshot(ckpt), Snapshot(ref)
     merged = dm.merge_with_diff(ckpt, ref, on_shape_mismatch="resize")
-    assert snaps[0].unchanged() and snaps[1].unchanged()
+    assert snaps[0].unchanged()
+    assert snaps[1].unchanged()
     out, c, r = dm.flatten(merged.state_dict), dm.flatten(ckpt), dm.flatten(ref)
     assert sorted(x.key for x in merged.diff.resized) == sorted(chosen)
     for key in chosen:
         got, old, new = out[key], c[key], r[key]
-        assert got is not old and got is not new
-        assert got.shape == new.shape and got.dtype == new.dtype and got.device == new.device
+        assert got is not old
+        assert got is not new
+        assert got.shape == new.shape
+        assert got.dtype == new.dtype
+        assert got.device == new.device
         overlap = tuple(slice(0, min(a, b)) for a, b in zip(old.shape, new.shape, strict=True))
         assert torch.equal(got[overlap], old[overlap].to(new.dtype))
         mask = torch.ones(new.shape, dtype=torch.bool)
@@ -167,7 +171,8 @@ def test_resize_keeps_the_references_dtype_and_reports_both():
     merged = dm.merge_with_diff(ckpt, ref, on_shape_mismatch="resize")
     assert merged.state_dict["w"].dtype == torch.bfloat16
     assert merged.state_dict["w"].tolist() == [1.0, 1.0, 0.0]
-    assert "float64[2]" in str(merged.diff) and "bfloat16[3]" in str(merged.diff)
+    assert "float64[2]" in str(merged.diff)
+    assert "bfloat16[3]" in str(merged.diff)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +190,8 @@ def test_what_cannot_be_resized_is_refused_before_anything_is_made(ckpt, ref, wh
     with pytest.raises(dm.MergeError, match=f"cannot be resized: 'w': .*{why}") as err:
         dm.merge(c, r, on_shape_mismatch="resize")
     assert "take_reference" in str(err.value)
-    assert snaps[0].unchanged() and snaps[1].unchanged()
+    assert snaps[0].unchanged()
+    assert snaps[1].unchanged()
     with pytest.raises(dm.StateDictTypeError, match=why):
         dm.resize(ckpt, ref)
 
@@ -202,7 +208,7 @@ def test_dtensor_references_are_refused(monkeypatch):
 def test_check_refuses_rank_changes_under_resize_from_metadata():
     view = {"w": dm.TensorMeta((2, 2), torch.float32), "v": dm.TensorMeta((2,), torch.float32)}
     ref = {"w": dm.TensorMeta((2,), torch.float32), "v": dm.TensorMeta((4,), torch.float32)}
-    with pytest.raises(dm.MergeError, match="'w'.*rank changed"):
+    with pytest.raises(dm.MergeError, match=r"'w'.*rank changed"):
         dm.check(view, ref, on_shape_mismatch="resize")
     d = dm.check({"v": view["v"]}, {"v": ref["v"]}, on_shape_mismatch="resize")
     assert [m.key for m in d.mismatched] == ["v"]
@@ -227,6 +233,7 @@ def test_take_reference_and_policies():
 def test_a_parameter_reference_gives_a_plain_tensor_without_autograd():
     p = torch.nn.Parameter(torch.zeros(3))
     out = dm.resize(torch.ones(2), p)
-    assert type(out) is torch.Tensor and not out.requires_grad
+    assert type(out) is torch.Tensor
+    assert not out.requires_grad
     assert out.tolist() == [1.0, 1.0, 0.0]
     assert p.tolist() == [0.0, 0.0, 0.0]

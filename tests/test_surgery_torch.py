@@ -161,17 +161,16 @@ def test_vocabulary_growth_keeps_old_rows_and_their_moments(tied):
     set_optimizer_state_dict(new, new_optim, optim_merge.state_dict, options=FLAT)
 
     # weights: the old rows exactly, the new rows as the fresh model initialised them
-    resized = {r.key for r in model_merge.diff.resized}
-    assert resized == (
-        {"embed.weight", "head.weight"} if not tied else {"embed.weight", "head.weight"}
-    )
+    # (tied: the model state dict holds the shared tensor under both names; both resize)
+    assert {r.key for r in model_merge.diff.resized} == {"embed.weight", "head.weight"}
     for name in ("embed.weight", "head.weight"):
         got = new.state_dict()[name]
         assert torch.equal(got[:old_vocab], ckpt["model"][name])
         assert torch.equal(got[old_vocab:], init[name][old_vocab:])
     # moments: the old rows exactly, the new rows as a fresh optimizer has them; step kept
     keys = {r.key for r in optim_merge.diff.resized}
-    assert "state.embed.weight.exp_avg" in keys and "state.embed.weight.exp_avg_sq" in keys
+    assert "state.embed.weight.exp_avg" in keys
+    assert "state.embed.weight.exp_avg_sq" in keys
     for name, p in new.named_parameters():
         st = new_optim.state[p]
         assert torch.equal(st["step"], ckpt["optim"][f"state.{name}.step"])
