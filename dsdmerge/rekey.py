@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping
 from itertools import chain
 from typing import Any
 
-from dsdmerge._engine import copy_tree
 from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, is_optimizer_state_dict
+from dsdmerge.rename import copy_tree
 
 __all__ = ["rekey"]
 
@@ -145,7 +145,7 @@ def _to_fqns(osd: Mapping[Any, Any], ids: list[int], names: Iterable[Any] | None
         raise LayoutError("rekey: a param id is listed twice in the param groups")
     by_id = dict(zip(ids, fqns, strict=True))
     state = {
-        by_id.get(k, k) if type(k) is int else _str_id(k, by_id): copy_tree(v)
+        by_id.get(k, k) if type(k) is int else _str_id(k, by_id): copy_tree(v, STATE)
         for k, v in osd[STATE].items()
     }
     out_groups = []
@@ -181,7 +181,7 @@ def _to_ids(osd: Mapping[Any, Any], fqns: list[str], names: Iterable[Any] | None
     if len(set(fqns)) != len(fqns):
         raise LayoutError("rekey: an fqn is listed twice in the param groups")
     by_fqn = {fqn: i for i, fqn in enumerate(fqns)}
-    state = {by_fqn.get(k, k): copy_tree(v) for k, v in osd[STATE].items()}
+    state = {by_fqn.get(k, k): copy_tree(v, STATE) for k, v in osd[STATE].items()}
     out_groups = []
     for group in osd[PARAM_GROUPS]:
         g = dict(group)

@@ -357,10 +357,33 @@ def rename(
 
 
 def _copy(sd: Mapping[Any, Any]) -> dict[Any, Any]:
-    from dsdmerge._engine import copy_tree
-
-    out: dict[Any, Any] = copy_tree(sd)
+    out: dict[Any, Any] = copy_tree(sd, "")
     return out
+
+
+def copy_tree(value: Any, where: str) -> Any:
+    """New mappings (and optimizers' group lists), shared leaves; a cycle is a LayoutError."""
+    from dsdmerge._engine import copy_tree as copy_acyclic
+
+    if not isinstance(value, Mapping):
+        return value
+    on_path = {id(value)}
+    stack: list[tuple[Mapping[Any, Any], Any]] = [(value, iter(value.values()))]
+    while stack:
+        node, children = stack[-1]
+        for child in children:
+            if isinstance(child, Mapping):
+                if id(child) in on_path:
+                    raise LayoutError(
+                        f"cycle: a mapping under {where or 'the top'!r} contains itself"
+                    )
+                on_path.add(id(child))
+                stack.append((child, iter(child.values())))
+                break
+        else:
+            stack.pop()
+            on_path.discard(id(node))
+    return copy_acyclic(value)
 
 
 def _rename(root: Mapping[Any, Any], renamer: Renamer) -> dict[Any, Any]:
@@ -409,8 +432,6 @@ def _rename_node(node: Mapping[Any, Any], renamer: Renamer, path: str) -> dict[A
 
 
 def _rename_optimizer(osd: Mapping[Any, Any], renamer: Renamer, path: str) -> dict[Any, Any]:
-    from dsdmerge._engine import copy_tree
-
     check_not_mixed(osd, path)
     where = f"{path}." if path else ""
     state, groups = osd[STATE], osd[PARAM_GROUPS]
@@ -426,7 +447,10 @@ def _rename_optimizer(osd: Mapping[Any, Any], renamer: Renamer, path: str) -> di
     mapping = {o: n for o, n in zip(old, new, strict=True) if o is not n}
     if len(set(new)) != len(new):
         _collision(old, new, where)
-    new_state = {mapping.get(k, k) if type(k) is str else k: copy_tree(v) for k, v in state.items()}
+    new_state = {
+        mapping.get(k, k) if type(k) is str else k: copy_tree(v, f"{where}{STATE}")
+        for k, v in state.items()
+    }
     new_groups = []
     for group in groups:
         g = dict(group)
@@ -788,6 +812,7 @@ class SuggestedRename:
 _SAMPLE = 2048  # unexpected fqns that vote for candidate rules
 _INDEXED = 50_000  # missing fqns indexed for one-segment changes
 _TRIED = 12  # candidate rules validated, most votes first
+_SEGMENTS = 32  # fqns with more segments take no part in suggestions (bounded work per fqn)
 _WRAPPERS = {  # one dropped segment -> the preset that drops it
     "_orig_mod": "compile",
     "_checkpoint_wrapped_module": "checkpoint_wrapper",
@@ -895,7 +920,9 @@ def _votes(
     by_hole: dict[tuple[int, int, str, str], list[str]] = {}
     by_suffix: dict[str, list[str]] = {}
     for m in targets[:_INDEXED]:
-        segs = m.split(".")
+        segs = m.split(".", _SEGMENTS)
+        if len(segs) > _SEGMENTS:
+            continue
         for i in range(len(segs)):
             by_hole.setdefault(
                 (len(segs), i, ".".join(segs[:i]), ".".join(segs[i + 1 :])), []
@@ -905,7 +932,9 @@ def _votes(
     step = max(1, len(sources) // _SAMPLE)
     votes: Counter[tuple[str, ...]] = Counter()
     for u in sources[::step][:_SAMPLE]:
-        segs = u.split(".")
+        segs = u.split(".", _SEGMENTS)
+        if len(segs) > _SEGMENTS:
+            continue
         n = len(segs)
         for i in range(n):
             for new in by_hole.get((n, i, ".".join(segs[:i]), ".".join(segs[i + 1 :])), ())[:4]:
