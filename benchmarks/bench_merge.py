@@ -263,7 +263,7 @@ def deepseek(
         "nested merge (int ids)": lambda: dm.merge(p.int_c, p.int_r),
         # the least any rename of every key costs: a new dict of new key strings (prebuilt
         # strings would be cheaper; a rename has to make them)
-        "floor (new keys)": lambda: dict(zip(map("m.".__add__, c), c.values())),
+        "floor (new keys)": lambda: dict(zip(map("m.".__add__, c), c.values(), strict=True)),
         "rename (ddp, every key)": lambda: dm.rename(c_ddp, "ddp"),
         "rename (wq -> q_proj)": lambda: dm.rename(c, refactor),
         "merge through rename (ddp)": lambda: dm.merge(c_ddp, r, rename="ddp"),

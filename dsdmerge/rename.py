@@ -834,7 +834,7 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
 
 
 def _kind_of_text(keys: list[str], text: str) -> str | None:
-    """``"optimizer"`` alone, ``"model"`` alone or ``None`` (anything else), from the joined keys."""
+    """``"optimizer"`` or ``"model"`` (either alone) or ``None`` (anything else), from the text."""
     if PG_PREFIX not in text:
         return "model"
     if (
