@@ -803,8 +803,6 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
     literals = [required_literal(rule) for rule in renamer.rules]
     if not keys or any(lit is None for lit in literals):
         return None
-    if renamer.example is None:
-        renamer.example = keys[0]
     first = literals[0] if len(literals) == 1 else None
     replacement = renamer.rules[0].replacement
     if (
@@ -819,6 +817,7 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
             kind = _kind_of_text(keys, text)
             if kind is None:
                 return None
+            _example(keys, kind, renamer)
             new = _prefix_by_text(keys, text, kind, first[1], replacement, renamer)
             if new is not None:
                 return new, ([""] if kind == "optimizer" else [])
@@ -829,8 +828,19 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
         kind = "model"  # no optimizer section anywhere: every key is an fqn
     else:
         return None
+    _example(keys, kind, renamer)
     new_keys = _by_literals(keys, [lit[1] for lit in literals if lit], kind, renamer)
     return None if new_keys is None else (new_keys, [""] if kind == "optimizer" else [])
+
+
+def _example(keys: list[str], kind: str, renamer: Renamer) -> None:
+    """The fqn the general path would show in messages: the first key's, or the first group's."""
+    if renamer.example is None:
+        if kind == "model":
+            renamer.example = keys[0]
+        else:
+            fqns = (k[len(PG_PREFIX) :].rpartition(".")[0] for k in keys if k.startswith(PG_PREFIX))
+            renamer.example = next(filter(not_id, fqns), None)
 
 
 def _kind_of_text(keys: list[str], text: str) -> str | None:

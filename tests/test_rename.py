@@ -419,3 +419,71 @@ def test_suggestions_for_wrappers_name_the_preset():
 def test_suggestions_in_a_strict_merge_error():
     with pytest.raises(dm.MergeError, match=r"look renamed.*rename=\{r'\^module\\\.': ''\}"):
         dm.merge({"module.w": torch.zeros(1)}, {"w": torch.zeros(1)}, policy="strict")
+
+
+# -- the fast paths give what the general path gives -------------------------------------
+
+literal_rules = st.sampled_from(
+    [
+        {r"^model\.": ""},
+        {r"^model\.layers\.": "blocks."},
+        {r"\.attn\.": ".attention."},
+        {r"(?<![^.])wq(?![^.])": "q_proj"},
+        {r"\.weight$": ".w"},
+        {r"^model\.": "", r"\.attn\.": ".attention."},
+        {r"^model\.embed\.weight\.": "x."},  # reaches past an fqn: the general path decides
+        {r"^lm_head\.weight": "head"},
+    ]
+)
+
+
+@given(
+    st.one_of(
+        flat_state_dicts(),
+        flat_state_dicts(kind="model"),
+        flat_state_dicts(allow_meta=True),
+        flat_state_dicts(kind="checkpoint"),
+    ),
+    literal_rules,
+)
+def test_fast_paths_equal_the_general_path(sd, rules):
+    import importlib
+
+    module = importlib.import_module("dsdmerge.rename")
+
+    def run():
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", dm.DSDMergeWarning)
+                out = dm.rename(sd, rules)
+            return out, sorted(str(w.message) for w in caught)
+        except dm.DSDMergeError as err:
+            return type(err), str(err)
+
+    fast = run()
+    module.FAST_PATHS = False
+    try:
+        general = run()
+    finally:
+        module.FAST_PATHS = True
+    assert fast[1] == general[1]
+    if isinstance(fast[0], dict):
+        assert list(fast[0]) == list(general[0])
+        assert same_but_names(fast[0], general[0])
+    else:
+        assert fast[0] == general[0]
+
+
+def test_a_literal_that_reaches_past_an_fqn_is_renamed_by_the_fqn():
+    flat = {
+        "state.module.step": 1,  # the fqn "module" (a parameter named so), not "module.x"
+        "param_groups.module.lr": 0.1,
+        "state.module.x.step": 2,
+        "param_groups.module.x.lr": 0.1,
+    }
+    assert dm.rename(flat, {r"^module\.": ""}) == {
+        "state.module.step": 1,
+        "param_groups.module.lr": 0.1,
+        "state.x.step": 2,
+        "param_groups.x.lr": 0.1,
+    }
