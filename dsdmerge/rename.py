@@ -812,15 +812,14 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
         and "\\" not in replacement
         and not first[1][0].isdigit()
     ):
-        text = "\n".join(keys)
-        if text.count("\n") == len(keys) - 1:  # no key holds a newline
-            kind = _kind_of_text(keys, text)
-            if kind is None:
-                return None
-            _example(keys, kind, renamer)
-            new = _prefix_by_text(keys, text, kind, first[1], replacement, renamer)
-            if new is not None:
-                return new, ([""] if kind == "optimizer" else [])
+        body = "\n".join(["", *keys])  # every key after a newline
+        kind = _kind_of_text(keys, body) if body.count("\n") == len(keys) else None
+        if kind is None:
+            return None
+        _example(keys, kind, renamer)
+        new = _prefix_by_text(keys, body, kind, first[1], replacement, renamer)
+        if new is not None:
+            return new, ([""] if kind == "optimizer" else [])
     starts = bytes(map(methodcaller("startswith", _OPT_PREFIXES), keys))
     if 0 not in starts and any(map(methodcaller("startswith", PG_PREFIX), keys)):
         kind = "optimizer"
@@ -843,25 +842,25 @@ def _example(keys: list[str], kind: str, renamer: Renamer) -> None:
             renamer.example = next(filter(not_id, fqns), None)
 
 
-def _kind_of_text(keys: list[str], text: str) -> str | None:
+def _kind_of_text(keys: list[str], body: str) -> str | None:
     """``"optimizer"`` or ``"model"`` (either alone) or ``None`` (anything else), from the text."""
-    if PG_PREFIX not in text:
+    if PG_PREFIX not in body:
         return "model"
-    if (
-        keys[0].startswith(_OPT_PREFIXES)
-        and text.count("\n" + STATE_PREFIX) + text.count("\n" + PG_PREFIX) == len(keys) - 1
-        and (text.startswith(PG_PREFIX) or "\n" + PG_PREFIX in text)
-    ):
+    pg = body.count("\n" + PG_PREFIX)
+    if pg and body.count("\n" + STATE_PREFIX) + pg == len(keys):
         return "optimizer"
     return None
 
 
 def _prefix_by_text(
-    keys: list[str], text: str, kind: str, literal: str, replacement: str, renamer: Renamer
+    keys: list[str], body: str, kind: str, literal: str, replacement: str, renamer: Renamer
 ) -> list[str] | None:
-    """One leading literal replaced in every fqn, by text replacement over all keys at once."""
+    """One leading literal replaced in every fqn, by text replacement over all keys at once.
+
+    ``body`` is the keys (none holding a newline), each after a newline. ``None`` when an
+    fqn is a dot-prefix of the literal (the general path then does it exactly).
+    """
     sections = (STATE_PREFIX, PG_PREFIX) if kind == "optimizer" else ("",)
-    body = "\n" + text
     if kind == "optimizer":
         # where the literal would reach past an fqn into its key's tail, the key and the fqn
         # disagree: only an fqn that is a dot-prefix of the literal can do that
@@ -874,8 +873,10 @@ def _prefix_by_text(
         body = body.replace("\n" + section + literal, "\n" + section + replacement)
     if body is before:  # (str.replace returns the very string when nothing matches)
         return keys
+    new = body.split("\n")
     renamer.hit[0] = True
-    return body.split("\n")[1:]
+    del new[0]
+    return new
 
 
 def _by_literals(
