@@ -25,6 +25,10 @@ CALLS = {
     "flatten": lambda c, r: dm.flatten(c),
     "unflatten": lambda c, r: dm.unflatten(dm.flatten(c), like=c),
     "classify": lambda c, r: dm.classify(c),
+    "rename": lambda c, r: dm.rename(c, {r"^": "module.", r"\.attn\.": ".attention."}),
+    "merge-rename": lambda c, r: dm.merge_with_diff(
+        dm.rename(c, {r"^": "module."}), r, policy=LOOSE, rename="ddp"
+    ),
 }
 
 
