@@ -770,7 +770,7 @@ def _rename_param_names(
 # flattened form, or a model alone) and the rules almost everybody writes (each a literal,
 # perhaps anchored). They give exactly what the general path gives (tests compare them), in
 # fewer passes over the keys: a rule that needs a literal only touches keys holding it, and
-# one anchored prefix is replaced in one text operation over all keys.
+# a prefix every fqn has is replaced by one str.replace per key.
 FAST_PATHS = True
 
 _LEFT_ANCHORS = ("^", "(?<![^.])")
@@ -805,21 +805,10 @@ def _fast_renamed_keys(keys: list[str], renamer: Renamer) -> tuple[list[str], li
         return None
     first = literals[0] if len(literals) == 1 else None
     replacement = renamer.rules[0].replacement
-    if (
-        first is not None
-        and first[0] == "^"
-        and not first[2]
-        and "\\" not in replacement
-        and not first[1][0].isdigit()
-    ):
-        body = "\n".join(["", *keys])  # every key after a newline
-        kind = _kind_of_text(keys, body) if body.count("\n") == len(keys) else None
-        if kind is None:
-            return None
-        _example(keys, kind, renamer)
-        new = _prefix_by_text(keys, body, kind, first[1], replacement, renamer)
-        if new is not None:
-            return new, ([""] if kind == "optimizer" else [])
+    if first is not None and first[0] == "^" and not first[2] and "\\" not in replacement:
+        done = _leading_literal(keys, first[1], replacement, renamer)
+        if done is not None:
+            return done
     starts = bytes(map(methodcaller("startswith", _OPT_PREFIXES), keys))
     if 0 not in starts and any(map(methodcaller("startswith", PG_PREFIX), keys)):
         kind = "optimizer"
@@ -842,41 +831,39 @@ def _example(keys: list[str], kind: str, renamer: Renamer) -> None:
             renamer.example = next(filter(not_id, fqns), None)
 
 
-def _kind_of_text(keys: list[str], body: str) -> str | None:
-    """``"optimizer"`` or ``"model"`` (either alone) or ``None`` (anything else), from the text."""
-    if PG_PREFIX not in body:
-        return "model"
-    pg = body.count("\n" + PG_PREFIX)
-    if pg and body.count("\n" + STATE_PREFIX) + pg == len(keys):
-        return "optimizer"
-    return None
+def _leading_literal(
+    keys: list[str], literal: str, replacement: str, renamer: Renamer
+) -> tuple[list[str], list[str]] | None:
+    """The DDP case: every fqn starts with one literal, replaced by a literal, key by key.
 
-
-def _prefix_by_text(
-    keys: list[str], body: str, kind: str, literal: str, replacement: str, renamer: Renamer
-) -> list[str] | None:
-    """One leading literal replaced in every fqn, by text replacement over all keys at once.
-
-    ``body`` is the keys (none holding a newline), each after a newline. ``None`` when an
-    fqn is a dot-prefix of the literal (the general path then does it exactly).
+    A lone optimizer all of whose keys are ``<section><literal>...``: each key's first
+    occurrence of the literal is right after its section, so one ``str.replace`` per key
+    does it. ``None`` for anything else (or an fqn that is a dot-prefix of the literal,
+    which the literal would reach past).
     """
-    sections = (STATE_PREFIX, PG_PREFIX) if kind == "optimizer" else ("",)
-    if kind == "optimizer":
-        # where the literal would reach past an fqn into its key's tail, the key and the fqn
-        # disagree: only an fqn that is a dot-prefix of the literal can do that
-        for end in (i for i, ch in enumerate(literal) if ch == "."):
-            fqn_line = re.escape("\n" + PG_PREFIX + literal[:end]) + r"\.[^.\n]*(?:\n|\Z)"
-            if re.search(fqn_line, body) is not None:
+    if literal[0].isdigit():  # it could match an int id's spelling, which is never renamed
+        return None
+    sections = tuple(s + literal for s in _OPT_PREFIXES)
+    if any(s.find(literal) != len(s) - len(literal) for s in sections):
+        return None  # the literal also occurs inside a section name
+    if 0 in bytes(map(methodcaller("startswith", sections), keys)):
+        return None
+    if not any(map(methodcaller("startswith", PG_PREFIX), keys)):
+        return None
+    _example(keys, "optimizer", renamer)
+    dots = [i for i, ch in enumerate(literal) if ch == "."]
+    if dots:
+        counts = list(map(methodcaller("count", "."), keys))
+        for end in dots:
+            fqn_key = PG_PREFIX + literal[: end + 1]  # "param_groups.<fqn>." then a name
+            n = fqn_key.count(".")
+            if any(
+                keys[i].startswith(fqn_key)
+                for i in compress(range(len(keys)), map(n.__eq__, counts))
+            ):
                 return None
-    before = body
-    for section in sections:
-        body = body.replace("\n" + section + literal, "\n" + section + replacement)
-    if body is before:  # (str.replace returns the very string when nothing matches)
-        return keys
-    new = body.split("\n")
     renamer.hit[0] = True
-    del new[0]
-    return new
+    return list(map(methodcaller("replace", literal, replacement, 1), keys)), [""]
 
 
 def _by_literals(
