@@ -707,8 +707,9 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
 
     Returns:
         ``{"missing": {"count": n, "patterns": [{"pattern": ..., "count": ...}],
-        "patterns_not_shown": k}, "unexpected": {...}, "mismatched": {...}}``;
-        mismatched patterns also carry ``"checkpoint"`` and ``"reference"``.
+        "patterns_not_shown": k}, "unexpected": {...}, "mismatched": {...}, "renames":
+        [...]}``; mismatched patterns also carry ``"checkpoint"`` and ``"reference"``;
+        ``"renames"`` lists the suggested renames (:meth:`SuggestedRename.to_dict`).
 
     Example:
         >>> import dsdmerge as dm
