@@ -236,6 +236,11 @@ def deepseek(
     assert merged.keys() == {**r, **c}.keys()
     assert dm.diff(p.nested_c, p.nested_r) == d
     assert len(dm.diff(p.int_c, p.int_r).missing) == len(d.missing)
+    # the checkpoint as DDP saved it (every fqn behind "module."): rename restores it exactly
+    c_ddp = dm.rename(c, {"^": "module."})
+    assert dm.rename(c_ddp, "ddp") == c
+    refactor = {r"\.attn\.wq\.": ".attn.q_proj."}  # one projection renamed in every layer
+    assert sum(".attn.q_proj." in k for k in dm.rename(c, refactor)) == 14 * layers
 
     cases: Cases = {
         "floor": lambda: {**r, **c},
@@ -256,6 +261,12 @@ def deepseek(
         "nested diff": lambda: dm.diff(p.nested_c, p.nested_r),
         "nested merge": lambda: dm.merge(p.nested_c, p.nested_r),
         "nested merge (int ids)": lambda: dm.merge(p.int_c, p.int_r),
+        # the least any rename of every key costs: a new dict of new key strings (prebuilt
+        # strings would be cheaper; a rename has to make them)
+        "floor (new keys)": lambda: dict(zip(map("m.".__add__, c), c.values(), strict=True)),
+        "rename (ddp, every key)": lambda: dm.rename(c_ddp, "ddp"),
+        "rename (wq -> q_proj)": lambda: dm.rename(c, refactor),
+        "merge through rename (ddp)": lambda: dm.merge(c_ddp, r, rename="ddp"),
     }
     med = measure(cases, rounds, warmup=len(c) < 10**6)
     out: dict[str, Any] = {
@@ -274,6 +285,7 @@ def deepseek(
         "nested merge (int ids)": new_tensors(dm.merge(p.int_c, p.int_r), p.int_c, p.int_r),
         "flatten": new_tensors(dm.flatten(p.nested_c), p.nested_c),
         "unflatten": new_tensors(dm.unflatten(merged, like=p.nested_r), merged),
+        "rename": new_tensors(dm.rename(c_ddp, "ddp"), c_ddp),
     }
     if memory:
         one_dict = sys.getsizeof({**r, **c})
@@ -304,6 +316,13 @@ TARGETS = [
     ("merge / floor", lambda s: s["merge"] / s["floor"], "<=", 1.6, "merge, full validation"),
     ("diff / floor", lambda s: s["diff"] / s["floor"], "<=", 1.6, "diff"),
     ("verl / merge", lambda s: s["verl"] / s["merge"], ">=", 1.0, "verl-style backfill vs merge"),
+    (
+        "rename / floor",
+        lambda s: s["rename (ddp, every key)"] / s["floor"],
+        "<=",
+        2.0,
+        "rename of every fqn vs the floor",
+    ),
     ("flatten / torch", lambda s: s["flatten"] / s["torch flatten"], "<=", 0.8, "flatten vs torch"),
     (
         "nested / flat merge",

@@ -6,6 +6,11 @@ reference under a policy::
 
     import dsdmerge as dm
     optimizer_sd = dm.merge(loaded_optimizer_sd, fresh_optimizer_sd)  # policy="default"
+
+Model surgery carries the optimizer state along: ``rename`` (and ``rename=``)
+maps fqns by rules everywhere they appear, ``on_shape_mismatch="resize"`` keeps
+the trained slice of a resized tensor and of its moments, and ``rekey`` turns
+``optimizer.state_dict()``'s int ids into fqns.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dsdmerge.errors import (
     LayoutError,
     MergeError,
     PatternError,
+    RenameError,
     StateDictTypeError,
     UnsafeCheckpointError,
 )
@@ -43,8 +49,13 @@ from dsdmerge.policy import (
     resolve_policy,
 )
 
+# Model surgery: renames, resized tensors, int ids to fqns
+from dsdmerge.rekey import rekey
+from dsdmerge.rename import RENAME_PRESETS, SuggestedRename, rename, strip_prefix
+
 # Reports
 from dsdmerge.report import Pattern, compress, expand
+from dsdmerge.resize import OnShapeMismatch, Resized, resize
 
 __version__ = "0.1.0"
 
@@ -78,6 +89,15 @@ __all__ = [
     "Pattern",
     "compress",
     "expand",
+    # Model surgery
+    "rename",
+    "strip_prefix",
+    "RENAME_PRESETS",
+    "SuggestedRename",
+    "resize",
+    "Resized",
+    "OnShapeMismatch",
+    "rekey",
     # Errors and warnings
     "DSDMergeError",
     "LayoutError",
@@ -87,5 +107,6 @@ __all__ = [
     "CheckpointReadError",
     "UnsafeCheckpointError",
     "PatternError",
+    "RenameError",
     "DSDMergeWarning",
 ]

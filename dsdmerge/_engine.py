@@ -39,7 +39,7 @@ from operator import (
     ne,
     not_,
 )
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +75,21 @@ from dsdmerge.layout import (
 __all__: list[str] = []
 
 
+class Slot(NamedTuple):
+    """Where a mismatched value sits in the merged result, with both sides' values.
+
+    Calling it puts the reference's value there; :attr:`put` puts any value there
+    (a resize puts a new tensor).
+    """
+
+    put: Callable[[Any], None]
+    checkpoint: Any
+    reference: Any
+
+    def __call__(self) -> None:
+        self.put(self.reference)
+
+
 @dataclasses.dataclass
 class Outcome:
     """What one pass found (and built)."""
@@ -85,8 +100,8 @@ class Outcome:
     mismatches: list[Mismatch]
     conflicts: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
-    # mismatch key -> how to put the reference's value in its place in ``merged``
-    take_reference: dict[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
+    # mismatch key -> its place in ``merged``: call it to put the reference's value there
+    take_reference: dict[str, Slot] = dataclasses.field(default_factory=dict)
 
 
 def run(
@@ -358,12 +373,10 @@ def _finish(
     """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
-        target = merged
-
-        def taker(key: str) -> Callable[[], None]:
-            return lambda: target.__setitem__(key, r[key])
-
-        outcome.take_reference = {m.key: taker(m.key) for m in mismatches}
+        outcome.take_reference = {
+            m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
+            for m in mismatches
+        }
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
     if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
         _resolve_groups(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
@@ -1078,7 +1091,7 @@ class _Nested:
             return
         if _differs(cv, rv):
             self.outcome.mismatches.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
-            self.outcome.take_reference[key] = lambda: dest.__setitem__(k, rv)
+            self.outcome.take_reference[key] = Slot(partial(dest.__setitem__, k), cv, rv)
 
     def _backfill(self, dest: dict[Any, Any], k: Any, rv: Any, key: str) -> None:
         self.outcome.missing.extend(_flat_keys(rv, key))  # first: it refuses cycles
@@ -1325,7 +1338,9 @@ class _Nested:
             found.append(
                 (positions[n], i, Mismatch(key, _meta(c_vals[i], key), _meta(r_vals[i], key)))
             )
-            self.outcome.take_reference[key] = partial(fields.__setitem__, name, r_vals[i])
+            self.outcome.take_reference[key] = Slot(
+                partial(fields.__setitem__, name), c_vals[i], r_vals[i]
+            )
         for at, first, end in spans:
             found.extend((at, k, mismatches[k]) for k in range(first, end))
         found.sort(key=itemgetter(0, 1))

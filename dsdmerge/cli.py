@@ -190,7 +190,10 @@ def _diff(args: argparse.Namespace) -> int:
     _trust_warning(args)
     ckpt = _view(args.checkpoint, trusted=_trusted(args))
     ref = _view(args.reference, trusted=_trusted(args))
-    d = dm.diff(ckpt, ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", dm.DSDMergeWarning)
+        d = dm.diff(ckpt, ref, rename=_rename_rules(args))
+    _print_warnings(caught)
     # the status is the answer: a reader that stops early (`| head`) must not turn it into 0
     with _reader_may_leave():
         if args.json:
@@ -208,7 +211,88 @@ def _diff(args: argparse.Namespace) -> int:
             for label, view in (("checkpoint", ckpt), ("reference", ref)):
                 print(f"{label}: {view.path} ({view.format}, {len(view):,} keys)")
             print(render(d, limit=args.limit, table=style.table, color=style.color))
+            if d.renames:
+                print(f"to apply: {_rename_options(d.renames)}")
     return EXIT_DIFFERS if d else EXIT_OK
+
+
+# -- rename options --------------------------------------------------------------------
+
+
+class _RuleAction(argparse.Action):
+    """--rename / --strip-prefix / --preset, kept in command-line order in one list."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        value = str(values)
+        if option_string == "--rename":
+            pattern, eq, replacement = value.rpartition("=")
+            if not eq or not pattern:
+                raise argparse.ArgumentError(
+                    self, f"expected PATTERN=REPLACEMENT (split at the last '='), got {value!r}"
+                )
+            rule: Any = {pattern: replacement}
+        elif option_string == "--strip-prefix":
+            from dsdmerge.rename import strip_prefix
+
+            rule = strip_prefix(value)
+        else:
+            rule = value  # a preset name (argparse checked the choice)
+        rules = list(getattr(namespace, self.dest, None) or [])
+        rules.append(rule)
+        setattr(namespace, self.dest, rules)
+
+
+def _add_rename_options(p: argparse.ArgumentParser) -> None:
+    from dsdmerge.rename import RENAME_PRESETS
+
+    p.add_argument(
+        "--rename",
+        action=_RuleAction,
+        dest="rename_rules",
+        metavar="PATTERN=REPLACEMENT",
+        help="rename the checkpoint's parameters first: a regular expression over fqns and its "
+        "re.sub replacement, split at the last '=' (e.g. '\\.attn\\.wq\\.=.attn.q_proj.'); "
+        "applied to model keys and optimizer state alike; repeatable, applied in order",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        action=_RuleAction,
+        dest="rename_rules",
+        metavar="PREFIX",
+        help="remove a leading prefix of whole segments from every fqn (e.g. 'module.' for a "
+        "DDP checkpoint); repeatable",
+    )
+    p.add_argument(
+        "--preset",
+        action=_RuleAction,
+        dest="rename_rules",
+        choices=tuple(RENAME_PRESETS),
+        metavar="NAME",
+        help="a named rename rule for a wrapper: " + ", ".join(RENAME_PRESETS) + "; repeatable",
+    )
+
+
+def _rename_rules(args: argparse.Namespace) -> list[Any] | None:
+    rules: list[Any] | None = getattr(args, "rename_rules", None)
+    return rules or None
+
+
+def _rename_options(renames: Sequence[Any]) -> str:
+    import shlex
+
+    return " ".join(f"--rename {shlex.quote(f'{r.pattern}={r.replacement}')}" for r in renames)
+
+
+def _print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
+    for w in caught:
+        text = str(w.message).removeprefix("dsdmerge: ")
+        _stderr(f"dsdmerge: warning: {_cli_advice(text)}")
 
 
 # -- merge ---------------------------------------------------------------------------
@@ -232,8 +316,6 @@ def _merge(args: argparse.Namespace) -> int:
             if not metadata and detect_format(source) == "safetensors":
                 metadata = read_metadata(source).metadata
     policy = dm.resolve_policy(args.policy)
-    if args.on_shape_mismatch == "take-reference":
-        policy = policy.replace(shape="warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", dm.DSDMergeWarning)
         try:
@@ -243,14 +325,22 @@ def _merge(args: argparse.Namespace) -> int:
                 policy=policy,
                 allow_missing=args.allow_missing,
                 allow_unexpected=args.allow_unexpected,
+                rename=_rename_rules(args),
+                on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
             )
         except dm.MergeError as err:
-            _stderr(f"dsdmerge: {_cli_advice(str(err))}")
+            text = str(err)
+            if err.diff is not None and err.diff.renames:
+                from dsdmerge.merge import rename_hint
+
+                renames = err.diff.renames
+                text = text.replace(
+                    rename_hint(renames), f" Some look renamed: pass {_rename_options(renames)}."
+                )
+            _stderr(f"dsdmerge: {_cli_advice(text)}")
             _stderr(f"dsdmerge: nothing written to {out}")
             return EXIT_DIFFERS
-    for w in caught:
-        text = str(w.message).removeprefix("dsdmerge: ")
-        _stderr(f"dsdmerge: warning: {_cli_advice(text)}")
+    _print_warnings(caught)
     _check_out(out, force=args.force, fmt=fmt)  # again: it may have appeared while we merged
     write_checkpoint(merged.state_dict, out, fmt, force=args.force, metadata=metadata)
     style = _Style.of(sys.stdout)
@@ -264,6 +354,9 @@ _ADVICE = (
     ("allow_missing=[<glob>, ...]", "--allow-missing GLOB"),
     ("allow_unexpected=[<glob>, ...]", "--allow-unexpected GLOB"),
     ("merge with dsdmerge.Policy(shape='warn')", "pass --on-shape-mismatch take-reference"),
+    ("on_shape_mismatch='resize'", "--on-shape-mismatch resize"),
+    ("on_shape_mismatch='take_reference'", "--on-shape-mismatch take-reference"),
+    ("pass rename={", "pass --rename PATTERN=REPLACEMENT for each of {"),
 )
 
 
@@ -645,8 +738,10 @@ examples:
   dsdmerge merge step-1000.pt fresh.pt -o resumable.pt --policy strict \\
       --allow-missing '*.indexer.*'
   dsdmerge merge ckpt/ fresh/ -o merged/ --policy warn --allow-unexpected 'ema.*' --force
-  dsdmerge merge old.safetensors new.safetensors -o grown.safetensors \
-      --on-shape-mismatch take-reference
+  dsdmerge merge old.safetensors new.safetensors -o grown.safetensors \\
+      --on-shape-mismatch resize      # a model that grew: keep every trained row
+  dsdmerge merge ddp-step-1000.pt fresh.pt -o resumable.pt --strip-prefix module.
+  dsdmerge merge old.pt new.pt -o renamed.pt --rename '\\.attn\\.wq\\.=.attn.q_proj.'
 
 The result has the checkpoint's layout, in the format OUT's name says (.pt/.pth/.bin
 torch, .safetensors, a directory without a suffix DCP; --format must agree): every
@@ -728,6 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         json_help='print JSON with lists "missing", "unexpected", "mismatched" (every key) '
         'and a compressed "summary"',
     )
+    _add_rename_options(diff)
     diff.set_defaults(func=_diff)
 
     merge = add(
@@ -775,11 +871,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument(
         "--on-shape-mismatch",
-        choices=("raise", "take-reference"),
+        choices=("raise", "take-reference", "resize"),
         default="raise",
-        help="a tensor whose shape differs: fail (default), or take the reference's tensor "
-        "with a warning (torch would reject the checkpoint's)",
+        help="a tensor whose shape differs: fail (default); resize, for a model that grew or "
+        "shrank (vocabulary, experts, a wider head): keep the checkpoint's overlapping slice of "
+        "the tensor and of its optimizer moments, the rest from the reference (same rank only); "
+        "take-reference: take the reference's tensor with a warning (the trained values are "
+        "dropped)",
     )
+    _add_rename_options(merge)
     merge.add_argument(
         "--force",
         action="store_true",

@@ -8,12 +8,16 @@ readable ``str()``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import compress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsdmerge._values import shape_dtype, short_repr
-from dsdmerge.errors import StateDictTypeError
+from dsdmerge.errors import DSDMergeError, StateDictTypeError
+
+if TYPE_CHECKING:
+    from dsdmerge.rename import Rules, SuggestedRename
+    from dsdmerge.resize import Resized
 
 __all__ = ["Changed", "KeyDiff", "Mismatch", "TensorMeta", "diff"]
 
@@ -146,7 +150,7 @@ def _json_value(value: Any) -> Any:
     return short_repr(value)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class KeyDiff:
     """The differences between a checkpoint and a reference, by flat key.
 
@@ -161,9 +165,15 @@ class KeyDiff:
             (:class:`Changed`), in reference order; filled by
             ``diff(..., values=True)`` (the command line's ``diff`` does), empty
             otherwise.
+        renames: Suggested renames (:class:`~dsdmerge.SuggestedRename`): rules
+            that would pair unexpected keys one to one with missing keys of the
+            same shapes and dtypes (``attn.wq`` -> ``attn.q_proj`` in every
+            layer). Never applied by themselves; empty when none.
+        resized: The tensors a merge with ``on_shape_mismatch="resize"`` resized
+            (:class:`~dsdmerge.Resized`); empty otherwise.
 
-    ``bool(diff)`` is ``False`` iff all four are empty; ``str(diff)`` is a
-    readable report.
+    ``bool(diff)`` is ``False`` iff missing, unexpected, mismatched and changed
+    are all empty; ``str(diff)`` is a readable report.
 
     Example:
         >>> import dsdmerge as dm
@@ -175,10 +185,30 @@ class KeyDiff:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
-    changed: tuple[Changed, ...] = dataclasses.field(default=(), repr=False)
+    changed: tuple[Changed, ...] = ()
+    renames: tuple[SuggestedRename, ...] = ()
+    resized: tuple[Resized, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched or self.changed)
+
+    def __repr__(self) -> str:
+        # changed, renames and resized only when there are some (the three lists always)
+        fields: list[tuple[str, tuple[Any, ...]]] = [
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("mismatched", self.mismatched),
+        ]
+        fields += [
+            (n, v)
+            for n, v in (
+                ("changed", self.changed),
+                ("renames", self.renames),
+                ("resized", self.resized),
+            )
+            if v
+        ]
+        return f"KeyDiff({', '.join(f'{n}={v!r}' for n, v in fields)})"
 
     def __str__(self) -> str:
         from dsdmerge.report import render
@@ -190,18 +220,32 @@ class KeyDiff:
         """The keys of :attr:`mismatched`, in the same order."""
         return tuple(m.key for m in self.mismatched)
 
+    @property
+    def suggested_rules(self) -> dict[str, str]:
+        r"""The :attr:`renames`, as rules for ``rename=`` (``{pattern: replacement}``, in order).
+
+        Example:
+            >>> import torch, dsdmerge as dm
+            >>> d = dm.diff({"module.w": torch.zeros(2)}, {"w": torch.zeros(2)})
+            >>> d.suggested_rules
+            {'^module\\.': ''}
+        """
+        return {s.pattern: s.replacement for s in self.renames}
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict with lists ``missing``, ``unexpected`` and ``mismatched``.
+        """A JSON-ready dict of lists: the three kinds of difference, ``renames``, ``resized``.
 
         Example:
             >>> import dsdmerge as dm
             >>> dm.KeyDiff(missing=("a",)).to_dict()
-            {'missing': ['a'], 'unexpected': [], 'mismatched': []}
+            {'missing': ['a'], 'unexpected': [], 'mismatched': [], 'renames': [], 'resized': []}
         """
         out = {
             "missing": list(self.missing),
             "unexpected": list(self.unexpected),
             "mismatched": [m.to_dict() for m in self.mismatched],
+            "renames": [r.to_dict() for r in self.renames],
+            "resized": [r.to_dict() for r in self.resized],
         }
         if self.changed:
             out["changed"] = [c.to_dict() for c in self.changed]
@@ -209,7 +253,12 @@ class KeyDiff:
 
 
 def diff(
-    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /, *, values: bool = False
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    /,
+    *,
+    rename: Rules | None = None,
+    values: bool = False,
 ) -> KeyDiff:
     """Compare a checkpoint with a reference state dict, by flat key.
 
@@ -219,11 +268,16 @@ def diff(
     values are tensor-like; scalars are never mismatched. With ``values=True``,
     non-tensor values present on both sides are compared too (learning rates,
     betas, ``step``: equal by value, NaN equal to NaN) and those that differ are
-    in :attr:`KeyDiff.changed`. Does not modify its inputs.
+    in :attr:`KeyDiff.changed`. When keys are both missing and unexpected,
+    :attr:`KeyDiff.renames` suggests rename rules that would pair them. Does not
+    modify its inputs.
 
     Args:
         checkpoint: The state dict you loaded.
         reference: The state dict the model or optimizer has now.
+        rename: Rename rules applied to the checkpoint first (see
+            :func:`~dsdmerge.rename`); a rule that matches nothing gives a
+            :class:`~dsdmerge.DSDMergeWarning`.
         values: Also compare non-tensor values.
 
     Returns:
@@ -232,6 +286,7 @@ def diff(
     Raises:
         StateDictTypeError: An argument is not a mapping.
         LayoutError: An argument is malformed (see :func:`~dsdmerge.flatten`).
+        RenameError: A rename rule is not valid, or renames two keys to one.
 
     Example:
         >>> import torch, dsdmerge as dm
@@ -243,6 +298,16 @@ def diff(
     """
     from dsdmerge._engine import run
 
+    if rename is not None:
+        from dsdmerge.rename import rename_checkpoint
+
+        checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
+        if unmatched:
+            import warnings
+
+            from dsdmerge.errors import DSDMergeWarning
+
+            warnings.warn(DSDMergeWarning(f"dsdmerge: {unmatched}"), stacklevel=2)
     outcome = run(checkpoint, reference, merge=False)
     changed = changed_values(checkpoint, reference) if values else ()
     return KeyDiff(
@@ -250,6 +315,7 @@ def diff(
         tuple(outcome.unexpected),
         tuple(outcome.mismatches),
         tuple(changed),
+        suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
     )
 
 
@@ -303,3 +369,24 @@ def changed_values(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]) 
             continue
         out.append(Changed(keys[i], a, b))
     return out
+
+
+def suggest(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+) -> tuple[SuggestedRename, ...]:
+    """The :attr:`KeyDiff.renames` for these differences (best effort: ``()`` when unsure)."""
+    if not missing or not unexpected:
+        return ()
+    from dsdmerge.flatten import flatten
+    from dsdmerge.layout import Layout, classify
+    from dsdmerge.rename import suggest_renames
+
+    try:
+        c = checkpoint if classify(checkpoint) is Layout.FLAT else flatten(checkpoint)
+        r = reference if classify(reference) is Layout.FLAT else flatten(reference)
+        return suggest_renames(c, r, missing, unexpected)
+    except DSDMergeError:  # a layout the suggestions cannot read: no suggestion
+        return ()

@@ -11,6 +11,7 @@ working::
     ├── MergeError(DSDMergeError, ValueError)          a difference the policy, or torch, rejects
     ├── InvalidPolicyError(DSDMergeError, ValueError)  a policy name, action or allow-list
     ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
+    ├── RenameError(DSDMergeError, ValueError)         a bad rename rule, or two keys renamed to one
     └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
         └── UnsafeCheckpointError                      a pickle that would run code: refused
 
@@ -32,6 +33,7 @@ __all__ = [
     "LayoutError",
     "MergeError",
     "PatternError",
+    "RenameError",
     "StateDictTypeError",
     "UnsafeCheckpointError",
 ]
@@ -101,6 +103,31 @@ class InvalidPolicyError(DSDMergeError, ValueError):
 
 class PatternError(DSDMergeError, ValueError):
     """A key pattern text that :func:`dsdmerge.report.parse_pattern` cannot read."""
+
+
+class RenameError(DSDMergeError, ValueError):
+    r"""A rename rule that is not valid, or a rename that would map two keys to one.
+
+    Attributes:
+        keys: For a collision, the two original keys (or fqns), sorted; else ``()``.
+        target: For a collision, the key both would be renamed to; else ``""``.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> try:
+        ...     dm.rename({"a.w": 1, "b.w": 2}, {r"^[ab]\.": ""})
+        ... except dm.RenameError as err:
+        ...     err.keys, err.target
+        (('a.w', 'b.w'), 'w')
+    """
+
+    keys: tuple[str, ...]
+    target: str
+
+    def __init__(self, message: str, *, keys: tuple[str, ...] = (), target: str = "") -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.target = target
 
 
 class CheckpointReadError(DSDMergeError, OSError):

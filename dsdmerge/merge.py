@@ -8,15 +8,16 @@ reject later reported now, naming the keys.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from dsdmerge._engine import Outcome, run
 from dsdmerge._values import short_repr
-from dsdmerge.diff import KeyDiff, Mismatch
+from dsdmerge.diff import KeyDiff, Mismatch, suggest
 from dsdmerge.errors import DSDMergeWarning, MergeError
 from dsdmerge.flatten import flatten, split_param_key
 from dsdmerge.layout import (
@@ -30,7 +31,11 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
 )
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, matcher, resolve_policy
-from dsdmerge.report import format_keys, format_mismatches
+from dsdmerge.report import format_keys, format_mismatches, format_resized
+from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
+
+if TYPE_CHECKING:
+    from dsdmerge.rename import Rules
 
 __all__ = ["Fresh", "Merged", "check", "merge", "merge_with_diff"]
 
@@ -63,6 +68,8 @@ def merge(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> dict[Any, Any]:
     """Merge a loaded checkpoint over a fresh reference state dict.
@@ -72,7 +79,8 @@ def merge(
     the value the checkpoint has for the other members of that parameter's
     group, so a new parameter does not reset the scheduled learning rate);
     differences are handled by ``policy`` (see :mod:`dsdmerge.policy`). Does not
-    modify its inputs; leaves are shared, never copied.
+    modify its inputs; leaves are shared, never copied, except the new tensors
+    of ``on_shape_mismatch="resize"``.
 
     Args:
         checkpoint: The state dict you loaded (flat or nested).
@@ -82,6 +90,19 @@ def merge(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
+        rename: Rules applied to the checkpoint's fqns first (see
+            :func:`~dsdmerge.rename`; a preset name such as ``"ddp"`` works); a
+            rule that matches nothing is handled as ``policy.unmatched_rename``
+            says (a warning, an error under ``"strict"``).
+        on_shape_mismatch: For tensors whose shapes differ: ``"raise"`` (as the
+            policy's ``shape`` action says; every built-in policy raises),
+            ``"take_reference"`` (the reference's tensor, with a warning: the
+            trained values are dropped) or ``"resize"`` (same rank only: a new
+            tensor with the reference's shape, dtype and device holding the
+            checkpoint's overlapping leading slice and the reference's values
+            elsewhere, for the weight and for every optimizer state tensor of
+            it whose shape differs; ``step`` and other scalars stay the
+            checkpoint's). Resizes are reported in ``KeyDiff.resized``.
         fresh: ``"reference"`` backfills the optimizer state of a parameter the
             checkpoint has no state for from the reference (for DSD's reference:
             its zero-gradient step, Adam ``step == 1``); ``"as_fresh"`` leaves it
@@ -98,11 +119,15 @@ def merge(
 
     Raises:
         MergeError: The policy rejects a difference (always for tensor shape
-            mismatches under the built-in policies), or an int-keyed optimizer's
-            group sizes differ, which ``Optimizer.load_state_dict`` rejects.
+            mismatches under the built-in policies, unless ``on_shape_mismatch``
+            says otherwise), an int-keyed optimizer's group sizes differ, which
+            ``Optimizer.load_state_dict`` rejects, or a tensor cannot be resized
+            (its rank changed, or it is a meta tensor or a DTensor).
         LayoutError: An argument is malformed, or the checkpoint is nested and
             the reference flat.
         StateDictTypeError: An argument is not a mapping.
+        RenameError: A rename rule is not valid, or renames two keys to one.
+        InvalidPolicyError: A bad policy, allow-list or ``on_shape_mismatch``.
 
     Example:
         >>> import dsdmerge as dm
@@ -114,7 +139,15 @@ def merge(
         (7, 1, 5e-05)
     """
     return _merge(
-        checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4, fresh=fresh
+        checkpoint,
+        reference,
+        policy,
+        allow_missing,
+        allow_unexpected,
+        stacklevel=4,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
     ).state_dict
 
 
@@ -126,6 +159,8 @@ def merge_with_diff(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
     """Like :func:`merge`, but also return the :class:`~dsdmerge.KeyDiff`, from the same pass.
@@ -138,6 +173,9 @@ def merge_with_diff(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
+        rename: Rules applied to the checkpoint's fqns first (see :func:`merge`).
+        on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
+            (see :func:`merge`); the diff's ``resized`` lists what was resized.
         fresh: ``"reference"`` or ``"as_fresh"`` (see :func:`merge`).
 
     Returns:
@@ -150,7 +188,15 @@ def merge_with_diff(
         ({'a': 1, 'b': 2}, ('b',))
     """
     return _merge(
-        checkpoint, reference, policy, allow_missing, allow_unexpected, stacklevel=4, fresh=fresh
+        checkpoint,
+        reference,
+        policy,
+        allow_missing,
+        allow_unexpected,
+        stacklevel=4,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
     )
 
 
@@ -162,6 +208,8 @@ def check(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Apply a policy to the differences without merging anything.
 
@@ -176,6 +224,10 @@ def check(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
+        rename: Rules applied to the checkpoint's fqns first (see :func:`merge`);
+            a view is renamed without reading any tensor.
+        on_shape_mismatch: As for :func:`merge`; ``"resize"`` is checked for
+            ranks only (a view holds no tensors to resize).
 
     Returns:
         The :class:`~dsdmerge.KeyDiff`.
@@ -190,8 +242,21 @@ def check(
         ('idx.w',)
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, extra = _renamed(checkpoint, rename, pol)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
-    return _apply(outcome, pol, stacklevel=3, reference=reference)[0]
+    if shapes == "resize":
+        extra.extend(_unresizable(outcome, metadata_only=True))
+    renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
+    return _apply(
+        outcome,
+        pol,
+        stacklevel=3,
+        extra=extra,
+        on_shape_mismatch=shapes,
+        renames=renames,
+        reference=reference,
+    )[0]
 
 
 def _merge(
@@ -202,6 +267,8 @@ def _merge(
     allow_unexpected: str | Iterable[str],
     *,
     stacklevel: int,
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
     if fresh not in ("reference", "as_fresh"):
@@ -209,6 +276,8 @@ def _merge(
             f"fresh must be 'reference' or 'as_fresh', got {short_repr(fresh)}"
         )
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, extra = _renamed(checkpoint, rename, pol)
     outcome = run(
         checkpoint,
         reference,
@@ -216,10 +285,30 @@ def _merge(
         keep_unexpected=not pol.drop_unexpected,
         conflicts=pol.conflict != "ignore",
     )
-    diff, conflicts = _apply(outcome, pol, stacklevel=stacklevel, reference=reference)
+    if shapes == "resize":
+        extra.extend(_unresizable(outcome, metadata_only=False))
+    renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
+    diff, conflicts = _apply(
+        outcome,
+        pol,
+        stacklevel=stacklevel,
+        extra=extra,
+        on_shape_mismatch=shapes,
+        renames=renames,
+        reference=reference,
+    )
+    resized: list[Resized] = []
     for m in diff.mismatched:
-        if reshaped(m):  # not raised: torch would reject the checkpoint's tensor
-            outcome.take_reference[m.key]()
+        if not reshaped(m):  # a 0-d against a 1-element tensor keeps the checkpoint's
+            continue
+        slot = outcome.take_reference[m.key]
+        if shapes == "resize":  # each new tensor is made once, here
+            slot.put(resize(slot.checkpoint, slot.reference))
+            resized.append(Resized.from_mismatch(m))
+        else:  # not raised: torch would reject the checkpoint's tensor
+            slot()
+    if resized:
+        diff = dataclasses.replace(diff, resized=tuple(resized))
     assert outcome.merged is not None
     merged = outcome.merged
     if fresh == "as_fresh" and diff.missing:
@@ -352,11 +441,78 @@ def _optimizer_key(key: str) -> bool:
     return key.startswith(STATE_PREFIX) or ("." + STATE_PREFIX) in key
 
 
+def _shape_choice(value: object) -> OnShapeMismatch:
+    if value not in SHAPE_CHOICES:
+        raise InvalidPolicyError(
+            f"on_shape_mismatch must be one of {', '.join(map(repr, SHAPE_CHOICES))}, got "
+            f"{short_repr(value)}"
+        )
+    return value
+
+
+def _renamed(
+    checkpoint: Mapping[Any, Any], rules: Rules | None, policy: Policy
+) -> tuple[Mapping[Any, Any], list[tuple[Action, str]]]:
+    """The checkpoint renamed by ``rules`` (if any), and the finding about unmatched rules."""
+    if rules is None:
+        return checkpoint, []
+    from dsdmerge.rename import rename_checkpoint
+
+    out, unmatched = rename_checkpoint(checkpoint, rules)
+    return out, ([(policy.unmatched_rename, unmatched)] if unmatched else [])
+
+
+def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action, str]]:
+    """One finding (raised) per shape mismatch a resize cannot handle, before anything is made."""
+    bad: dict[str, list[str]] = {}
+    for m in outcome.mismatches:
+        if not reshaped(m):
+            continue
+        if metadata_only:
+            c_rank, r_rank = len(m.checkpoint.shape), len(m.reference.shape)
+            why = (
+                f"its rank changed ({c_rank} -> {r_rank}); only sizes of existing dimensions "
+                "can change"
+                if c_rank != r_rank
+                else None
+            )
+        else:
+            slot = outcome.take_reference[m.key]
+            why = why_not_resizable(slot.checkpoint, slot.reference)
+        if why is not None:
+            bad.setdefault(why, []).append(m.key)
+    return [
+        (
+            "raise",
+            f"{len(keys)} tensor(s) cannot be resized: {format_keys(keys)}: {why}. Pass "
+            "on_shape_mismatch='take_reference' to take the reference's tensors instead.",
+        )
+        for why, keys in bad.items()
+    ]
+
+
 def _apply(
-    outcome: Outcome, policy: Policy, *, stacklevel: int, reference: Mapping[Any, Any]
+    outcome: Outcome,
+    policy: Policy,
+    *,
+    stacklevel: int,
+    extra: Sequence[tuple[Action, str]] = (),
+    on_shape_mismatch: OnShapeMismatch = "raise",
+    renames: tuple[Any, ...] = (),
+    reference: Mapping[Any, Any] | None = None,
 ) -> tuple[KeyDiff, tuple[str, ...]]:
-    """Decide, per kind of difference, whether to stay quiet, warn or raise."""
-    diff = KeyDiff(tuple(outcome.missing), tuple(outcome.unexpected), tuple(outcome.mismatches))
+    """Decide, per kind of difference, whether to stay quiet, warn or raise.
+
+    ``extra``: more findings (unmatched rename rules, tensors that cannot be
+    resized); ``renames``: the suggested renames, for the diff and the messages;
+    ``reference``: to tell a checkpoint that shares no key with it.
+    """
+    diff = KeyDiff(
+        tuple(outcome.missing),
+        tuple(outcome.unexpected),
+        tuple(outcome.mismatches),
+        renames=renames,
+    )
     conflicts = tuple(outcome.conflicts)
     allowed_missing = matcher(policy.allow_missing)
     allowed_unexpected = matcher(policy.allow_unexpected)
@@ -364,10 +520,10 @@ def _apply(
     unexpected = [k for k in diff.unexpected if not allowed_unexpected(k)]
     shape = [m for m in diff.mismatched if reshaped(m)]
     dtype = [m for m in diff.mismatched if m.dtype_differs and not reshaped(m)]
-    findings: list[tuple[Action, str]] = []
-    problems = list(outcome.problems)
+    findings: list[tuple[Action, str]] = list(extra)
     if (
-        policy.unrelated != "ignore"
+        reference is not None
+        and policy.unrelated != "ignore"
         and (missing or unexpected)
         and diff.missing
         and diff.unexpected
@@ -401,29 +557,10 @@ def _apply(
         )
     model_shape = [m for m in shape if not _optimizer_key(m.key)]
     state_shape = [m for m in shape if _optimizer_key(m.key)]
-    for items, consequence in (
-        (model_shape, "torch would reject them on load"),
-        (
-            state_shape,
-            "torch's optimizers load state without checking its shape, and the next step "
-            "would fail or broadcast it silently",
-        ),
-    ):
-        if items:
-            findings.append(
-                (
-                    policy.shape,
-                    _mismatch_line(
-                        policy.shape,
-                        items,
-                        "shape",
-                        f"{consequence}. If the model changed shape on purpose, merge with "
-                        "dsdmerge.Policy(shape='warn') to take the reference's tensors"
-                        if policy.shape == "raise"
-                        else f"{consequence}, so the reference's were taken",
-                    ),
-                )
-            )
+    if model_shape:
+        findings.append(_shape_finding(model_shape, policy, on_shape_mismatch, _REJECTS))
+    if state_shape:
+        findings.append(_shape_finding(state_shape, policy, on_shape_mismatch, _STATE_SHAPE))
     if dtype:
         findings.append(
             (
@@ -438,8 +575,13 @@ def _apply(
         )
     if conflicts:  # one finding (one warning at most) for all of them
         findings.append((policy.conflict, "\n    ".join(conflicts)))
+    if renames and unexpected:
+        hint = rename_hint(renames)
+        findings = [
+            (action, text + hint if _is_key_finding(text) else text) for action, text in findings
+        ]
     errors = [text for action, text in findings if action == "raise"]
-    errors.extend(problems)
+    errors.extend(outcome.problems)
     if errors:
         message = f"policy {short_repr(policy.name)} rejected the merge:\n" + "\n".join(
             f"  - {text}" for text in errors
@@ -449,6 +591,60 @@ def _apply(
         if action == "warn":
             warnings.warn(DSDMergeWarning(f"dsdmerge: {text}"), stacklevel=stacklevel)
     return diff, conflicts
+
+
+def rename_hint(renames: Sequence[Any]) -> str:
+    """The sentence a message about unexpected keys gets when some look renamed."""
+    rules = ", ".join(f"{_raw(r.pattern)}: {r.replacement!r}" for r in renames)
+    return f" Some look renamed: to rename them, pass rename={{{rules}}}."
+
+
+def _raw(text: str) -> str:
+    return f"r'{text}'" if "'" not in text and not text.endswith("\\") else repr(text)
+
+
+def _is_key_finding(text: str) -> bool:
+    return "unexpected in the checkpoint" in text
+
+
+_REJECTS = "torch would reject them on load"
+_STATE_SHAPE = (
+    "torch's optimizers load state without checking its shape, and the next step would fail "
+    "or broadcast it silently"
+)
+
+
+def _shape_finding(
+    shape: Sequence[Mismatch], policy: Policy, choice: OnShapeMismatch, consequence: str
+) -> tuple[Action, str]:
+    if choice == "take_reference":
+        action: Action = "warn" if policy.shape == "raise" else policy.shape
+        return action, _mismatch_line(
+            action,
+            shape,
+            "shape",
+            f"{consequence}, so the reference's were taken "
+            "(on_shape_mismatch='take_reference': their trained values are not kept)",
+        )
+    if choice == "resize":
+        same_rank = [m for m in shape if len(m.checkpoint.shape) == len(m.reference.shape)]
+        if not same_rank:  # the others are refused (see _unresizable)
+            return "ignore", ""
+        action = "ignore" if policy.missing == "ignore" else "warn"
+        return action, (
+            f"{len(same_rank)} tensor(s) resized (the checkpoint's overlapping slice kept, the "
+            f"rest from the reference): {format_resized(map(Resized.from_mismatch, same_rank))}."
+        )
+    return policy.shape, _mismatch_line(
+        policy.shape,
+        shape,
+        "shape",
+        f"{consequence}. If the model grew or shrank on purpose, pass "
+        "on_shape_mismatch='resize' to keep the trained slice of each tensor and of its "
+        "optimizer state, or on_shape_mismatch='take_reference' to take the reference's tensors"
+        if policy.shape == "raise"
+        else f"{consequence}, so the reference's were taken",
+    )
 
 
 def _shares_nothing(diff: KeyDiff, reference: Mapping[Any, Any]) -> bool:

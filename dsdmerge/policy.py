@@ -17,6 +17,8 @@ tensor dtype mismatch     kept         kept +        error
 group hyperparameter      -            warning       error
 conflict
 no key shared (unrelated) error        error         error
+rename rule that          warning      warning       error
+matches no key
 ========================  ===========  ============  ============
 
 Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
@@ -100,13 +102,22 @@ class Policy:
     dtype: Action = "ignore"
     conflict: Action = "ignore"
     unrelated: Action = "raise"
+    unmatched_rename: Action = "warn"
     allow_missing: tuple[str, ...] = ()
     allow_unexpected: tuple[str, ...] = ()
     drop_unexpected: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("missing", "unexpected", "shape", "dtype", "conflict", "unrelated"):
+        for field in (
+            "missing",
+            "unexpected",
+            "shape",
+            "dtype",
+            "conflict",
+            "unrelated",
+            "unmatched_rename",
+        ):
             action = getattr(self, field)
             if action not in _ACTIONS:
                 raise InvalidPolicyError(
@@ -160,7 +171,14 @@ WARN = Policy(missing="warn", unexpected="warn", dtype="warn", conflict="warn", 
 """Like :data:`DEFAULT`, plus one summarised :class:`~dsdmerge.DSDMergeWarning` per kind of
 difference."""
 
-STRICT = Policy(missing="raise", unexpected="raise", dtype="raise", conflict="raise", name="strict")
+STRICT = Policy(
+    missing="raise",
+    unexpected="raise",
+    dtype="raise",
+    conflict="raise",
+    unmatched_rename="raise",
+    name="strict",
+)
 """Raise a :class:`~dsdmerge.MergeError` on any difference that is not allow-listed."""
 
 _NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}

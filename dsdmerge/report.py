@@ -33,6 +33,8 @@ from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
     from dsdmerge.diff import Changed, KeyDiff, Mismatch, TensorMeta
+    from dsdmerge.rename import SuggestedRename
+    from dsdmerge.resize import Resized
 
 __all__ = [
     "Pattern",
@@ -41,6 +43,7 @@ __all__ = [
     "expand",
     "format_keys",
     "format_mismatches",
+    "format_resized",
     "parse_pattern",
     "render",
     "render_patterns",
@@ -493,6 +496,74 @@ def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> s
     return f"{shown} and {rest}" if rest else shown
 
 
+def _resized_groups(items: Iterable[Resized]) -> list[tuple[Pattern, Resized]]:
+    """Resizes grouped by their pair of shapes and dtypes, keys compressed per group."""
+    groups: dict[tuple[str, str], list[Resized]] = {}
+    for r in items:
+        groups.setdefault((_meta(r.checkpoint), _meta(r.reference)), []).append(r)
+    out = [
+        (p, same[0])
+        for same in groups.values()
+        for p in compress([r.key for r in same], max_parts=_PARTS)
+    ]
+    out.sort(key=lambda item: _rank(item[0]))
+    return out
+
+
+def _resized_text(p: Pattern, r: Resized) -> str:
+    changes = ", ".join(
+        f"dim {i} {r.checkpoint.shape[i]} -> {r.reference.shape[i]}" for i in r.dims
+    )
+    each = " each" if p.count > 1 else ""
+    return (
+        f"{p}: {changes}; {r.kept:,} elements kept, {r.from_reference:,} from the reference{each}"
+    )
+
+
+def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
+    """``'key' (dim 0 10 -> 12; 40 elements kept, 8 from the reference)`` per pattern, one line.
+
+    Keys with the same pair of shapes and dtypes are compressed into patterns;
+    the ``limit`` largest are shown. Does not modify its input.
+
+    Args:
+        items: The resizes, e.g. ``KeyDiff.resized``.
+        limit: How many patterns to show before the count of the rest.
+
+    Returns:
+        One line of text.
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> from dsdmerge.report import format_resized
+        >>> rs = [dm.Resized.of(k, torch.zeros(2, 3), torch.zeros(4, 3)) for k in ("a.w", "b.w")]
+        >>> format_resized(rs)
+        "'{a,b}.w' (2 keys, dim 0 2 -> 4; 6 elements kept, 6 from the reference each)"
+    """
+    groups = _resized_groups(items)
+    shown = ", ".join(
+        f"{_quote(str(p))} ({f'{p.count:,} keys, ' if p.count > 1 else ''}"
+        f"{_resized_text(p, r).removeprefix(f'{p}: ')})"
+        for p, r in groups[:limit]
+    )
+    rest = _rest([p for p, _ in groups], limit)
+    return f"{shown} and {rest}" if rest else shown
+
+
+def _rule_text(s: SuggestedRename) -> str:
+    pattern = (
+        f"r'{s.pattern}'"
+        if "'" not in s.pattern and not s.pattern.endswith("\\")
+        else repr(s.pattern)
+    )
+    preset = f" (preset {s.preset!r})" if s.preset else ""
+    old, new = s.example
+    return (
+        f"{pattern} -> {s.replacement!r}{preset}: {_plural(s.params, 'param')}, "
+        f"{_plural(s.keys, 'key')}, e.g. {old} -> {new}"
+    )
+
+
 _MISSING = "missing from the checkpoint (will be taken from the reference)"
 _UNEXPECTED = "unexpected in the checkpoint (not in the reference)"
 _MISMATCHED = "in both with a different shape or dtype"
@@ -503,6 +574,8 @@ _COLORS = {
     "unexpected": "36",
     "mismatched": "31",
     "changed": "35",
+    "renamed": "35",
+    "resized": "32",
     "dim": "2",
     "bold": "1",
 }
@@ -570,6 +643,30 @@ def render(
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
             lines.append("  " + _paint(f"... and {rest}", "dim", color))
+    if diff.renames:
+        n = sum(s.keys for s in diff.renames)
+        lines.append(
+            _paint(
+                f"{_plural(n, 'unexpected key')} look renamed (each pairs with a missing key of "
+                "the same shape and dtype); rename=<these rules> would apply them:",
+                "renamed",
+                color,
+            )
+        )
+        lines.extend(f"  {_rule_text(s)}" for s in diff.renames)
+    if diff.resized:
+        lines.append(
+            _paint(
+                f"{_plural(len(diff.resized), 'tensor')} resized (the checkpoint's overlapping "
+                "slice kept, the rest from the reference):",
+                "resized",
+                color,
+            )
+        )
+        rs = _resized_groups(diff.resized)
+        lines.extend(_rows([(p.count, _resized_text(p, r)) for p, r in rs[:limit]], table, color))
+        if len(rs) > limit:
+            lines.append("  " + _paint(f"... and {_rest([p for p, _ in rs], limit)}", "dim", color))
     return "\n".join(lines)
 
 
@@ -634,8 +731,9 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
 
     Returns:
         ``{"missing": {"count": n, "patterns": [{"pattern": ..., "count": ...}],
-        "patterns_not_shown": k}, "unexpected": {...}, "mismatched": {...}}``;
-        mismatched patterns also carry ``"checkpoint"`` and ``"reference"``.
+        "patterns_not_shown": k}, "unexpected": {...}, "mismatched": {...}, "renames":
+        [...]}``; mismatched patterns also carry ``"checkpoint"`` and ``"reference"``;
+        ``"renames"`` lists the suggested renames (:meth:`SuggestedRename.to_dict`).
 
     Example:
         >>> import dsdmerge as dm
@@ -670,4 +768,5 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
             ],
             "patterns_not_shown": len(groups) - len(shown_groups),
         }
+    out["renames"] = [s.to_dict() for s in diff.renames]
     return out

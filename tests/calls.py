@@ -52,4 +52,22 @@ CALLS: dict[str, Callable[[Any, Any], Any]] = {
     ),
     "check(a, b, strict)": lambda a, b: dm.check(a, b, policy="strict"),
     "check(a, b, warn)": lambda a, b: _quiet(lambda: dm.check(a, b, policy="warn")),
+    # model surgery
+    "rename(a, add a prefix)": lambda a, b: _quiet(lambda: dm.rename(a, {r"^": "module."})),
+    "rename(a, ddp)": lambda a, b: _quiet(lambda: dm.rename(a, "ddp")),
+    "rename(flatten(a), a segment)": lambda a, b: _quiet(
+        lambda: dm.rename(_flat_of(a), {r"(?<![^.])w": "v"})
+    ),
+    "diff(a, b, rename)": lambda a, b: _quiet(lambda: dm.diff(a, b, rename={r"^": "x."})),
+    "merge(a, b, rename, strict)": lambda a, b: dm.merge(
+        a, b, policy="strict", rename={r"^x\.": ""}
+    ),
+    "merge_with_diff(a, b, resize)": lambda a, b: _quiet(
+        lambda: dm.merge_with_diff(a, b, policy="warn", on_shape_mismatch="resize")
+    ),
+    "check(a, b, resize)": lambda a, b: _quiet(
+        lambda: dm.check(a, b, policy="warn", on_shape_mismatch="resize")
+    ),
+    "rekey(a)": lambda a, b: dm.rekey(a),
+    "rekey(a, names)": lambda a, b: dm.rekey(a, [f"p{i}" for i in range(3)]),
 }

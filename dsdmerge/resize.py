@@ -1,0 +1,188 @@
+"""Resizing a trained tensor to a new shape: keep the trained slice, take the rest from a reference.
+
+When a model grows (a larger vocabulary in ``embed_tokens``/``lm_head``, more
+experts in a fused ``[E, ...]`` tensor, a wider head) or shrinks, the
+checkpoint's tensors and their optimizer moments have the old shape. With
+``on_shape_mismatch="resize"``, :func:`~dsdmerge.merge` gives each such key
+(the weight, and ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer`` or any state
+field of the same parameter whose shape differs) a new tensor of the
+reference's shape, dtype and device that holds the overlapping leading slice of
+the checkpoint's tensor and the reference's values everywhere else; scalars
+such as ``step`` keep the checkpoint's value (their shapes agree).
+
+These are the only tensors dsdmerge ever creates: one allocation per resized
+key (a clone of the reference, then one copy of the overlap into it). Every
+other value of a merge is still shared by identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from dsdmerge.errors import StateDictTypeError
+
+if TYPE_CHECKING:
+    from dsdmerge.diff import Mismatch, TensorMeta
+
+__all__ = ["OnShapeMismatch", "Resized", "resize"]
+
+OnShapeMismatch = Literal["raise", "take_reference", "resize"]
+"""What a merge does about a tensor whose shape differs between checkpoint and reference:
+``"raise"`` (as the policy says: every built-in policy raises), ``"take_reference"``
+(drop the checkpoint's tensor) or ``"resize"`` (keep its overlapping slice)."""
+
+SHAPE_CHOICES: tuple[OnShapeMismatch, ...] = ("raise", "take_reference", "resize")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resized:
+    """A tensor a merge resized: which dims changed and how many elements came from where.
+
+    Attributes:
+        key: The flat key.
+        checkpoint: Shape and dtype of the checkpoint's tensor.
+        reference: Shape and dtype of the reference's tensor (the result's).
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> r = dm.Resized.of("embed.weight", torch.zeros(10, 4), torch.zeros(12, 4))
+        >>> r.dims, r.kept, r.from_reference
+        ((0,), 40, 8)
+        >>> str(r)
+        'embed.weight: dim 0 10 -> 12; 40 elements kept, 8 from the reference'
+    """
+
+    key: str
+    checkpoint: TensorMeta
+    reference: TensorMeta
+
+    @classmethod
+    def of(cls, key: str, checkpoint: Any, reference: Any) -> Resized:
+        """The record for two tensor-like values."""
+        from dsdmerge.diff import TensorMeta
+
+        return cls(key, TensorMeta.of(checkpoint), TensorMeta.of(reference))
+
+    @classmethod
+    def from_mismatch(cls, m: Mismatch) -> Resized:
+        """The record of a shape mismatch that was resized."""
+        return cls(m.key, m.checkpoint, m.reference)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dimensions whose size changed."""
+        return tuple(
+            i
+            for i, (c, r) in enumerate(
+                zip(self.checkpoint.shape, self.reference.shape, strict=True)
+            )
+            if c != r
+        )
+
+    @property
+    def kept(self) -> int:
+        """How many elements of the result are the checkpoint's (the overlap)."""
+        return math.prod(
+            min(c, r) for c, r in zip(self.checkpoint.shape, self.reference.shape, strict=True)
+        )
+
+    @property
+    def from_reference(self) -> int:
+        """How many elements of the result are the reference's."""
+        return math.prod(self.reference.shape) - self.kept
+
+    def __str__(self) -> str:
+        changes = ", ".join(
+            f"dim {i} {self.checkpoint.shape[i]} -> {self.reference.shape[i]}" for i in self.dims
+        )
+        return (
+            f"{self.key}: {changes}; {self.kept:,} elements kept, "
+            f"{self.from_reference:,} from the reference"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: key, both shapes and dtypes, dims, kept and from_reference."""
+        return {
+            "key": self.key,
+            "checkpoint": self.checkpoint.to_dict(),
+            "reference": self.reference.to_dict(),
+            "dims": list(self.dims),
+            "kept": self.kept,
+            "from_reference": self.from_reference,
+        }
+
+
+def why_not_resizable(checkpoint: Any, reference: Any) -> str | None:
+    """Why :func:`resize` would refuse this pair, or ``None`` if it would not."""
+    for side, value in (("checkpoint", checkpoint), ("reference", reference)):
+        if not isinstance(value, torch.Tensor):
+            return f"the {side}'s value is a {type(value).__name__}, not a torch tensor"
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            return (
+                f"the {side}'s tensor is a {type(value).__name__}; resize plain tensors (e.g. "
+                "DTensor.full_tensor()) and shard the result"
+            )
+        if value.is_meta:
+            return f"the {side}'s tensor is on the meta device (it has no values to keep)"
+        if value.layout != torch.strided:
+            return f"the {side}'s tensor has layout {value.layout}; only strided tensors resize"
+    if checkpoint.dim() != reference.dim():
+        return (
+            f"its rank changed ({checkpoint.dim()} -> {reference.dim()}); only sizes of "
+            "existing dimensions can change"
+        )
+    return None
+
+
+def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor:
+    """A new tensor like ``reference`` holding the overlapping leading slice of ``checkpoint``.
+
+    The result has the reference's shape, dtype, device and strides; along each
+    dimension, indices below both sizes hold the checkpoint's values (cast to the
+    reference's dtype and moved to its device), all others the reference's. A
+    grown dimension keeps every trained row; a shrunk one keeps the leading rows.
+    One allocation (a clone of the reference) and one copy of the overlap. When
+    shape, dtype and device already agree, ``checkpoint`` itself is returned.
+    Does not modify its inputs; the result is a new tensor (the only kind of
+    value dsdmerge ever creates), never tracked by autograd.
+
+    Args:
+        checkpoint: The trained tensor.
+        reference: A tensor of the new shape, e.g. the fresh model's parameter
+            or optimizer state.
+
+    Returns:
+        The new tensor.
+
+    Raises:
+        StateDictTypeError: An argument is not a plain (strided, non-meta)
+            torch tensor (a DTensor: resize its ``full_tensor()``), or the ranks
+            differ.
+
+    Example:
+        >>> import torch, dsdmerge as dm
+        >>> dm.resize(torch.ones(2, 2), torch.zeros(3, 2))
+        tensor([[1., 1.],
+                [1., 1.],
+                [0., 0.]])
+    """
+    problem = why_not_resizable(checkpoint, reference)
+    if problem is not None:
+        raise StateDictTypeError(f"cannot resize: {problem}")
+    if (
+        checkpoint.shape == reference.shape
+        and checkpoint.dtype == reference.dtype
+        and checkpoint.device == reference.device
+    ):
+        return checkpoint
+    overlap = tuple(
+        slice(0, min(c, r)) for c, r in zip(checkpoint.shape, reference.shape, strict=True)
+    )
+    with torch.no_grad():
+        out = reference.detach().clone()
+        out[overlap].copy_(checkpoint.detach()[overlap])
+    return out
