@@ -66,12 +66,16 @@ from dsdmerge.layout import (
 )
 from dsdmerge.merge import Fresh, _apply, _merge, reshaped
 from dsdmerge.policy import InvalidPolicyError, Policy, resolve_policy
+from dsdmerge.rename import rename as dm_rename
+from dsdmerge.resize import OnShapeMismatch
 
 if TYPE_CHECKING:
     import os
 
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from dsdmerge.rename import Rules
 
 __all__ = [
     "DCPLoad",
@@ -97,6 +101,8 @@ def resume_optimizer(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's optimizer state into ``optimizers``, merged over what they accept.
 
@@ -132,6 +138,16 @@ def resume_optimizer(
         fresh: ``"as_fresh"`` (default) leaves parameters without checkpointed
             state without state, to start exactly like a new optimizer;
             ``"reference"`` gives them DSD's zero-gradient state (``step == 1``).
+        rename: Rename rules applied to the checkpoint's fqns first (see
+            :func:`dsdmerge.rename`; a preset name such as ``"ddp"`` works). An
+            int-keyed ``loaded`` is keyed by fqns first when its groups carry
+            torch's ``param_names``; otherwise rekey it with :func:`dsdmerge.rekey`.
+        on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
+            (the trained slice of each moment kept; see :func:`dsdmerge.merge`).
+            Pass what you passed to :func:`resume_model`. Other than ``"raise"``,
+            the shapes of the optimizer's state come from DSD's zero-gradient step
+            on a throwaway copy of it (the rows a resize adds start from that
+            state: zero moments for Adam).
 
     Returns:
         The :class:`~dsdmerge.KeyDiff` of ``loaded`` against what the optimizers accept.
@@ -155,7 +171,16 @@ def resume_optimizer(
         0.5
     """
     plan = _plan(
-        model, optimizers, loaded, policy, allow_missing, allow_unexpected, fresh, stacklevel=5
+        model,
+        optimizers,
+        loaded,
+        policy,
+        allow_missing,
+        allow_unexpected,
+        fresh,
+        stacklevel=5,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
     )
     _load(plan, model, options)
     return plan.diff
@@ -171,6 +196,8 @@ def backfill_optimizer_state(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> dict[Any, Any]:
     """The state dict to pass to ``optimizer.load_state_dict``: ``loaded``, merged and checked.
 
@@ -205,6 +232,8 @@ def backfill_optimizer_state(
         allow_missing: Globs over flat keys the checkpoint may lack.
         allow_unexpected: Globs over flat keys the optimizer may lack.
         fresh: ``"as_fresh"`` or ``"reference"`` (see :func:`resume_optimizer`).
+        rename: Rename rules for the checkpoint's fqns (see :func:`resume_optimizer`).
+        on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``.
 
     Returns:
         A new state dict for ``optimizer.load_state_dict``.
@@ -237,7 +266,16 @@ def backfill_optimizer_state(
             "resume_optimizer(model, optimizer, loaded), which starts them fresh."
         )
     plan = _plan(
-        model, optimizer, loaded, policy, allow_missing, allow_unexpected, fresh, stacklevel=5
+        model,
+        optimizer,
+        loaded,
+        policy,
+        allow_missing,
+        allow_unexpected,
+        fresh,
+        stacklevel=5,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
     )
     if container:
         return flatten(_fqn_keyed(plan))
@@ -270,6 +308,8 @@ def _plan(
     fresh: str,
     *,
     stacklevel: int,
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> _Plan:
     require_mapping(loaded, "loaded")
     if fresh not in _FRESH:
@@ -278,6 +318,16 @@ def _plan(
     pol = dataclasses.replace(pol, drop_unexpected=False)  # nothing a parameter has is dropped
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
+    if _id_keyed(checkpoint) and model is not None and (rename is not None or len(opts) > 1):
+        checkpoint = _fqn_keyed_by_param_names(checkpoint)
+    if rename is not None:
+        if _id_keyed(checkpoint):
+            raise LayoutError(
+                "rename= renames fqns, and loaded is keyed by int param ids without torch's "
+                "param_names: key it by the old model's names first, with "
+                "dsdmerge.rekey(loaded, old_model.named_parameters())"
+            )
+        checkpoint = dm_rename(checkpoint, rename, unmatched=pol.unmatched_rename)
     keyed = "id" if _id_keyed(checkpoint) else "fqn"
     if keyed == "fqn" and model is None:
         raise StateDictTypeError(
@@ -292,11 +342,28 @@ def _plan(
         )
     slots = Slots.of(opts, model, keyed=keyed)
     if keyed == "id":
-        checkpoint = _to_live_ids(checkpoint, slots)
+        try:
+            checkpoint = _to_live_ids(checkpoint, slots)
+        except MergeError:
+            if model is None or not _has_param_names(checkpoint):
+                raise
+            # positions cannot map across the change, but torch saved the names: map by fqn
+            checkpoint = _fqn_keyed_by_param_names(checkpoint)
+            slots = Slots.of(opts, model, keyed="fqn")
     checkpoint = _without_param_names(checkpoint)
-    init = init_state(slots) if fresh == "reference" else None
+    # DSD's fresh state (on a throwaway copy) where it is asked for, or where the shape of
+    # every state field must be known to resize it (a grown embedding's moments)
+    init = init_state(slots) if fresh == "reference" or on_shape_mismatch != "raise" else None
     reference = _without_param_names(slots.reference(checkpoint, init=init))
-    merged = _merge(checkpoint, reference, pol, (), (), stacklevel=stacklevel)
+    merged = _merge(
+        checkpoint,
+        reference,
+        pol,
+        (),
+        (),
+        stacklevel=stacklevel,
+        on_shape_mismatch=on_shape_mismatch,
+    )
     state = merged.state_dict
     keep: set[Any] | None = None
     if fresh == "as_fresh":
@@ -419,6 +486,25 @@ def _normalise_ids(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     return {**osd, STATE: fixed}
 
 
+def _has_param_names(osd: Mapping[Any, Any]) -> bool:
+    """Whether every param group carries torch's ``param_names`` (torch >= 2.5), one per param."""
+    groups = [g for g in osd[PARAM_GROUPS] if isinstance(g, Mapping)]
+    return bool(groups) and all(
+        isinstance(g.get(_PARAM_NAMES), (list, tuple))
+        and len(g[_PARAM_NAMES]) == len(g.get(PARAMS, ()))
+        for g in groups
+    )
+
+
+def _fqn_keyed_by_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
+    """An int-keyed optimizer state dict keyed by the ``param_names`` torch saved, if any."""
+    if not _has_param_names(osd):
+        return dict(osd)
+    from dsdmerge.rekey import rekey
+
+    return rekey(osd)
+
+
 def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
     """An int-keyed checkpoint with its ids mapped to the live optimizer's, by position.
 
@@ -473,6 +559,8 @@ def resume_model(
     policy: str | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's model state dict into ``model``, merged over its current state.
 
@@ -491,6 +579,10 @@ def resume_model(
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: Globs over keys the checkpoint may lack, e.g. ``"head.*"``.
         allow_unexpected: Globs over keys the model may lack.
+        rename: Rename rules applied to the checkpoint's keys first (see
+            :func:`dsdmerge.rename`; ``"ddp"``, ``"compile"``, ... presets work).
+        on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"`` (a
+            grown vocabulary keeps its trained rows; see :func:`dsdmerge.merge`).
 
     Returns:
         The :class:`~dsdmerge.KeyDiff` of ``loaded`` against the model's state dict.
@@ -522,7 +614,16 @@ def resume_model(
     pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = dataclasses.replace(options or StateDictOptions(), strict=True)
     reference = get_model_state_dict(model, options=opts)
-    merged = _merge(loaded, reference, pol, (), (), stacklevel=4)
+    merged = _merge(
+        loaded,
+        reference,
+        pol,
+        (),
+        (),
+        stacklevel=4,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+    )
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
 
