@@ -1436,8 +1436,13 @@ class _Nested:
                 missing.extend(f"{group_prefix}{s}.{name}" for name in names)
         if len(matched) < len(c_groups):
             self.any_unexpected = True
-            if self.keep:
-                out.extend(_copy_group(g) for i, (g, _) in enumerate(c_groups) if i not in matched)
+            if self.keep:  # a checkpoint group no reference group took: kept for its dead members
+                for i, (g, _) in enumerate(c_groups):
+                    # (not for members that live on in a reference group: torch rejects a
+                    # parameter listed twice, and more groups than the optimizer has)
+                    dead = [pid for pid in g[PARAMS] if pid not in r_index]
+                    if i not in matched and (dead or not g[PARAMS]):
+                        out.append({**_copy_group(g), PARAMS: dead})
         for ci, (cg, _) in enumerate(c_groups):
             for ri in set(map(r_index.get, cg[PARAMS], repeat(-1))):
                 if ri < 0 or not c_names[ci] <= r_names[ri]:
