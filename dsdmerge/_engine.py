@@ -1512,9 +1512,6 @@ class _Nested:
                 and not any(isinstance(v, Mapping) for v in c_entry.values())
             ):  # only flat entries with the same names have nothing unexpected (see _entry)
                 self._tree_unexpected(c_entry, r_entry, state[pid], key + ".", in_state=True)
-        c_extra = _extras(c)
-        if c_extra:
-            self._tree_unexpected(c_extra, _extras(r), out, prefix)
         where = prefix + PARAM_GROUPS
         r_names: dict[Any, set[str]] = {}
         for g in r[PARAM_GROUPS]:
@@ -1535,6 +1532,9 @@ class _Nested:
                     for name in names
                     if have is None or name not in have
                 )
+        c_extra = _extras(c)
+        if c_extra:  # after param_groups, as flatten spells them
+            self._tree_unexpected(c_extra, _extras(r), out, prefix)
 
 
 def _most_common(owners: list[int | None]) -> int | None:

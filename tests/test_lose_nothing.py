@@ -37,6 +37,17 @@ def test_heavyball_style_top_level_key_is_kept_by_merge_and_flatten():
     assert dm.unflatten(flat, like=c)["heavyball"] == hb
 
 
+def test_unexpected_keys_beside_state_and_param_groups_come_in_flatten_order():
+    # was: a nested diff reported a checkpoint-only top-level key before the checkpoint-only
+    # hyperparameters, while flatten (and so a flat diff) spells param_groups.* first
+    c = osd([{"lr": 0.1, "initial_lr": 1.0, "params": [0]}], heavyball={"step": 3})
+    r = osd([{"lr": 0.2, "params": [0]}])
+    expected = ("param_groups.0.initial_lr", "heavyball.step")
+    assert list(dm.flatten(c))[1:] == list(expected)
+    assert dm.diff(c, r).unexpected == dm.diff(dm.flatten(c), dm.flatten(r)).unexpected == expected
+    assert dm.merge_with_diff(c, r).diff.unexpected == expected
+
+
 def test_madgrad_style_optimizer_level_state_entry_is_a_leaf_and_kept():
     k = torch.tensor([7])
     c = osd([{"lr": 0.1, "params": [0, 1]}], {0: {"s": torch.ones(2)}, "k": k})
