@@ -70,6 +70,8 @@ values = st.one_of(
 keys = st.sampled_from(
     [f"state.p{i}.{n}" for i in range(6) for n in ("step", "exp_avg")]
     + [f"param_groups.p{i}.{n}" for i in range(6) for n in ("lr", "amsgrad")]
+    # optimizer-level keys (MADGRAD's state['k'], heavyball's own key): keys like any other
+    + ["state.k", "heavyball.step", "heavyball.schedule"]
 )
 
 
