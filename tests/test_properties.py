@@ -573,6 +573,24 @@ def test_optimizer_level_parts_are_kept_by_identity_and_round_trip(pair, policy,
 
 @given(
     st.one_of(
+        checkpoint_pairs(layout="nested", **FEATURES, max_unexpected=0),
+        checkpoint_pairs(layout="nested", keyed="id", **FEATURES, max_unexpected=0),
+    )
+)
+def test_a_flat_merge_unflattens_like_the_reference_losing_nothing(pair):
+    """A flat merge (flatten_optimizer_state_dict=True) put back into the reference's nested
+    structure (int ids, true groups) keeps every key and value, the checkpoint's optimizer-level
+    ones the reference lacks too: placed under the optimizer (heavyball's key) or its state
+    (MADGRAD's state['k']), as unflatten without like reads them."""
+    c, r = pair
+    merged = dm.merge(flat(c), flat(r), policy=MERGING)
+    back = dm.flatten(dm.unflatten(merged, like=r))
+    assert back.keys() == merged.keys()
+    assert all(back[k] is v for k, v in merged.items())
+
+
+@given(
+    st.one_of(
         checkpoint_pairs(layout="nested", allow_missing_fields=True, max_mismatched=0),
         checkpoint_pairs(layout="flat", allow_missing_fields=True, max_mismatched=0),
         checkpoint_pairs(layout="nested", keyed="id", allow_missing_fields=True, max_mismatched=0),
