@@ -69,7 +69,6 @@ def _pairs(**kw):
 
 
 pairs = _pairs()
-featured = _featured()
 LEVELS = {"allow_extra_keys": True, "allow_optimizer_entries": True}
 nested = st.one_of(
     nested_state_dicts(),
