@@ -605,8 +605,8 @@ class _Unflattener:
                 if isinstance(v, Mapping):
                     if id(v) in on_path:
                         raise LayoutError(f"cycle: the mapping at {key!r} in like contains itself")
-                    on_path.add(id(v))
-                    out[k] = self._tree(v, key + ".", on_path)
+                    on_path.add(id(v))  # (no optimizer state dict inside one, as flatten sees it)
+                    out[k] = self._tree(v, key + ".", on_path, in_state=True)
                     on_path.discard(id(v))
                 else:
                     value = flat.get(key, MISSING)
