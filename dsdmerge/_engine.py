@@ -56,7 +56,13 @@ from dsdmerge._values import (
 )
 from dsdmerge.diff import Mismatch, TensorMeta
 from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.flatten import _flatten_into, _group_items, flatten, require_str_keys
+from dsdmerge.flatten import (
+    _flatten_into,
+    _flatten_tree,
+    _group_items,
+    flatten,
+    require_str_keys,
+)
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -1001,34 +1007,44 @@ def _group_hyperparameters(
 # nested
 
 
-def _flat_keys(value: Any, key: str) -> list[str]:
-    """The flat keys a nested value at ``key`` spells (one key for a leaf)."""
+def _flat_keys(value: Any, key: str, *, in_optimizer: bool = False) -> list[str]:
+    """The flat keys a nested value at ``key`` spells (one key for a leaf).
+
+    ``in_optimizer``: the value is inside an optimizer state dict (a parameter's state,
+    a key beside state and param_groups), where :func:`flatten` sees no optimizer.
+    """
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
-        _flatten_into(out, value, key + ".")
+        if in_optimizer:
+            _flatten_tree(out, value, key + ".", {id(value)}, optimizers=False)
+        else:
+            _flatten_into(out, value, key + ".")
         return list(out)
     return [key]
 
 
-def copy_tree(value: Any) -> Any:
+def copy_tree(value: Any, *, in_optimizer: bool = False) -> Any:
     """New containers (mappings, optimizers' param_groups and params lists), shared leaves.
 
     A ``param_groups`` list is a container only in an optimizer state dict; elsewhere
-    it is a leaf like any list, and shared.
+    it is a leaf like any list, and shared. Inside an optimizer state dict (and with
+    ``in_optimizer``) there is no other optimizer state dict, as :func:`flatten` sees it.
     """
     if not isinstance(value, Mapping):
         return value
     root: dict[Any, Any] = {}
-    stack: list[tuple[Any, dict[Any, Any], bool]] = [
-        (iter(value.items()), root, is_optimizer_state_dict(value))
+    optimizer = not in_optimizer and is_optimizer_state_dict(value)
+    stack: list[tuple[Any, dict[Any, Any], bool, bool]] = [
+        (iter(value.items()), root, optimizer, in_optimizer or optimizer)
     ]
     while stack:
-        items, dest, optimizer = stack[-1]
+        items, dest, optimizer, inside = stack[-1]
         for k, v in items:
             if isinstance(v, Mapping):
                 child: dict[Any, Any] = {}
                 dest[k] = child
-                stack.append((iter(v.items()), child, is_optimizer_state_dict(v)))
+                is_optimizer = not inside and is_optimizer_state_dict(v)
+                stack.append((iter(v.items()), child, is_optimizer, inside or is_optimizer))
                 break
             if optimizer and k == PARAM_GROUPS:
                 dest[k] = [_copy_group(g) for g in v]
@@ -1093,15 +1109,23 @@ class _Nested:
             self.outcome.mismatches.append(Mismatch(key, _meta(cv, key), _meta(rv, key)))
             self.outcome.take_reference[key] = Slot(partial(dest.__setitem__, k), cv, rv)
 
-    def _backfill(self, dest: dict[Any, Any], k: Any, rv: Any, key: str) -> None:
-        self.outcome.missing.extend(_flat_keys(rv, key))  # first: it refuses cycles
-        dest[k] = copy_tree(rv)
+    def _backfill(
+        self, dest: dict[Any, Any], k: Any, rv: Any, key: str, *, in_optimizer: bool = False
+    ) -> None:
+        self.outcome.missing.extend(_flat_keys(rv, key, in_optimizer=in_optimizer))  # first:
+        dest[k] = copy_tree(rv, in_optimizer=in_optimizer)  # _flat_keys refuses cycles
 
     # -- generic mappings ------------------------------------------------------------
 
     def _tree(
         self, c: Mapping[Any, Any], r: Mapping[Any, Any], prefix: str, *, in_state: bool = False
     ) -> dict[Any, Any]:
+        """Merge two mappings, the reference's keys first.
+
+        ``in_state``: inside an optimizer (a parameter's state, the optimizer's own keys),
+        where, as :func:`flatten` sees it, there is no optimizer state dict and no flat
+        sub-dict to look for.
+        """
         out: dict[Any, Any] = {}
         on_path = {id(c), id(r)}
         stack: list[tuple[Mapping[Any, Any], Mapping[Any, Any], dict[Any, Any], str, Any]] = [
@@ -1113,7 +1137,7 @@ class _Nested:
                 key = pfx + (k if type(k) is str else key_str(k, pfx[:-1]))
                 cv = cn.get(k, MISSING)
                 if cv is MISSING:
-                    self._backfill(dest, k, rv, key)
+                    self._backfill(dest, k, rv, key, in_optimizer=in_state)
                     continue
                 c_map, r_map = isinstance(cv, Mapping), isinstance(rv, Mapping)
                 if not c_map and not r_map:
@@ -1195,9 +1219,9 @@ class _Nested:
                 key = pfx + (k if type(k) is str else key_str(k, pfx[:-1]))
                 rv = rn.get(k, MISSING)
                 if rv is MISSING:
-                    self.outcome.unexpected.extend(_flat_keys(cv, key))
+                    self.outcome.unexpected.extend(_flat_keys(cv, key, in_optimizer=in_state))
                     if self.keep:
-                        dest[k] = copy_tree(cv)
+                        dest[k] = copy_tree(cv, in_optimizer=in_state)
                     continue
                 if not isinstance(cv, Mapping):
                     continue
@@ -1230,8 +1254,9 @@ class _Nested:
         c_extra, r_extra = _extras(c), _extras(r)
         if not c_extra and not r_extra:
             return {STATE: state, PARAM_GROUPS: groups}
-        # keys an optimizer keeps beside state and param_groups: merged like any mapping
-        extra = self._tree(c_extra, r_extra, prefix)
+        # keys an optimizer keeps beside state and param_groups: merged like any mapping (like
+        # a parameter's state: flatten sees no optimizer state dict inside an optimizer's)
+        extra = self._tree(c_extra, r_extra, prefix, in_state=True)
         return {STATE: state, PARAM_GROUPS: groups, **extra}
 
     def _state(
@@ -1256,12 +1281,12 @@ class _Nested:
                     )
                 _require_optimizer_level(pid, key, self.c_osd, self.r_osd)
                 if c_entry is MISSING:
-                    self._backfill(state, pid, r_entry, key)
+                    self._backfill(state, pid, r_entry, key, in_optimizer=True)
                 else:  # an optimizer-level entry (MADGRAD's state['k']): a leaf
                     self._leaf(state, pid, c_entry, r_entry, key)
                 continue
             if c_entry is MISSING:
-                self._backfill(state, pid, r_entry, key)
+                self._backfill(state, pid, r_entry, key, in_optimizer=True)
             elif type(c_entry) is dict and c_entry.keys() == r_entry.keys():
                 state[pid] = self._entry(c_entry, r_entry, key)
             else:
@@ -1455,8 +1480,13 @@ class _Nested:
                 missing.extend(f"{group_prefix}{s}.{name}" for name in names)
         if len(matched) < len(c_groups):
             self.any_unexpected = True
-            if self.keep:
-                out.extend(_copy_group(g) for i, (g, _) in enumerate(c_groups) if i not in matched)
+            if self.keep:  # a checkpoint group no reference group took: kept for its dead members
+                for i, (g, _) in enumerate(c_groups):
+                    # (not for members that live on in a reference group: torch rejects a
+                    # parameter listed twice, and more groups than the optimizer has)
+                    dead = [pid for pid in g[PARAMS] if pid not in r_index]
+                    if i not in matched and (dead or not g[PARAMS]):
+                        out.append({**_copy_group(g), PARAMS: dead})
         for ci, (cg, _) in enumerate(c_groups):
             for ri in set(map(r_index.get, cg[PARAMS], repeat(-1))):
                 if ri < 0 or not c_names[ci] <= r_names[ri]:
@@ -1517,18 +1547,15 @@ class _Nested:
                     )
                 continue
             if r_entry is MISSING:
-                self.outcome.unexpected.extend(_flat_keys(c_entry, key))
+                self.outcome.unexpected.extend(_flat_keys(c_entry, key, in_optimizer=True))
                 if self.keep:
-                    state[pid] = copy_tree(c_entry)
+                    state[pid] = copy_tree(c_entry, in_optimizer=True)
             elif not (
                 type(c_entry) is dict
                 and c_entry.keys() == r_entry.keys()
                 and not any(isinstance(v, Mapping) for v in c_entry.values())
             ):  # only flat entries with the same names have nothing unexpected (see _entry)
                 self._tree_unexpected(c_entry, r_entry, state[pid], key + ".", in_state=True)
-        c_extra = _extras(c)
-        if c_extra:
-            self._tree_unexpected(c_extra, _extras(r), out, prefix)
         where = prefix + PARAM_GROUPS
         r_names: dict[Any, set[str]] = {}
         for g in r[PARAM_GROUPS]:
@@ -1549,6 +1576,9 @@ class _Nested:
                     for name in names
                     if have is None or name not in have
                 )
+        c_extra = _extras(c)
+        if c_extra:  # after param_groups, as flatten spells them
+            self._tree_unexpected(c_extra, _extras(r), out, prefix, in_state=True)
 
 
 def _most_common(owners: list[int | None]) -> int | None:

@@ -298,7 +298,10 @@ def unflatten(
     dots, nested state and key order. Keys of ``like`` absent from ``flat``
     are left out (a parameter whose state is absent gets none); keys of
     ``flat`` that ``like`` has no place for are placed under the parameter or
-    mapping they extend, or rejected when there is none.
+    mapping they extend, or rejected when there is none. Under an optimizer,
+    a key that names no parameter is the optimizer's own: ``state.<name>``
+    (no dots) an optimizer-level state entry, as without ``like``, and any
+    other key one beside ``state`` and ``param_groups``.
 
     Without ``like``, a DSD flattened optimizer dict (only ``state.*`` and
     ``param_groups.*`` keys) becomes a fqn-keyed nested optimizer dict: the fqns
@@ -330,6 +333,8 @@ def unflatten(
         >>> osd = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
         >>> dm.unflatten({"state.0.step": 3, "param_groups.0.lr": 0.2}, like=osd)
         {'state': {0: {'step': 3}}, 'param_groups': [{'lr': 0.2, 'params': [0]}]}
+        >>> dm.unflatten({"state.k": 7, "param_groups.0.lr": 0.2, "heavyball.step": 7}, like=osd)
+        {'state': {'k': 7}, 'param_groups': [{'lr': 0.2, 'params': [0]}], 'heavyball': {'step': 7}}
     """
     require_flat(flat, "flat")
     if like is None:
@@ -472,9 +477,9 @@ class _Unflattener:
     def __init__(self, flat: Mapping[str, Any]) -> None:
         self.flat = flat
         self.hits = 0
-        # prefix -> (pid spelling -> pid, rebuilt state, pid -> rebuilt group)
+        # prefix -> (pid spelling -> pid, rebuilt state, pid -> rebuilt group, rebuilt optimizer)
         self.optimizers: dict[
-            str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]]]
+            str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]], dict[Any, Any]]
         ] = {}
         self.trees: dict[str, dict[Any, Any]] = {}
         # optimizer prefix -> length of its longest param id; ".optimizers" / ".trees" -> of the
@@ -598,8 +603,8 @@ class _Unflattener:
             for pid, spelled in zip(params, spelled_params, strict=True):
                 pids[spelled] = pid
                 member_of[pid] = group
-        self.optimizers[prefix] = (pids, state, member_of)
         out: dict[Any, Any] = {}
+        self.optimizers[prefix] = (pids, state, member_of, out)
         for k, v in like.items():  # like's order, with the keys beside state and param_groups
             if k == STATE:
                 out[STATE] = state
@@ -610,8 +615,8 @@ class _Unflattener:
                 if isinstance(v, Mapping):
                     if id(v) in on_path:
                         raise LayoutError(f"cycle: the mapping at {key!r} in like contains itself")
-                    on_path.add(id(v))
-                    out[k] = self._tree(v, key + ".", on_path)
+                    on_path.add(id(v))  # (no optimizer state dict inside one, as flatten sees it)
+                    out[k] = self._tree(v, key + ".", on_path, in_state=True)
                     on_path.discard(id(v))
                 else:
                     value = flat.get(key, MISSING)
@@ -694,7 +699,7 @@ class _Unflattener:
         return True
 
     def _place_in_optimizer(self, prefix: str, key: str, value: Any) -> bool:
-        pids, state, member_of = self.optimizers[prefix]
+        pids, state, member_of, optimizer = self.optimizers[prefix]
         rest = key[len(prefix) :]
         if rest.startswith(STATE_PREFIX):
             longest = self.longest.get(prefix)
@@ -702,7 +707,13 @@ class _Unflattener:
                 longest = self.longest[prefix] = max(map(len, pids), default=0)
             found = split_param_key(rest[len(STATE_PREFIX) :], pids, longest)
             if found is None:
-                return False
+                name = rest[len(STATE_PREFIX) :]
+                if not name or "." in name or name in pids:
+                    return False
+                # an optimizer-level entry (MADGRAD's state['k']), as unflatten without like
+                # reads it: a leaf under a key that is no parameter
+                _insert(state, [name], value, key)
+                return True
             pid = pids[found[0]]
             _insert(state.setdefault(pid, {}), found[1].split("."), value, key)
             return True
@@ -719,7 +730,9 @@ class _Unflattener:
                 )
             group[name] = value
             return True
-        return False
+        # a key beside state and param_groups (heavyball's): under the optimizer, split on dots
+        _insert(optimizer, rest.split("."), value, key)
+        return True
 
 
 def _longest_prefix(key: str, prefixes: Mapping[str, Any], longest: int) -> str | None:

@@ -24,7 +24,11 @@ tuple hyperparameters; nested state dicts keyed by fqn
 (``get_optimizer_state_dict``) or by int id (``optimizer.state_dict()``), and
 DSD's flattened form (``flatten_optimizer_state_dict=True``); tensors of several
 dtypes and small shapes, and, with ``allow_meta=True``, model-sized shapes as
-meta tensors (no memory).
+meta tensors (no memory). Opt-in, what real optimizers and trainers also do:
+keys beside ``state`` and ``param_groups`` (heavyball's own top-level key),
+optimizer-level entries in ``state`` (MADGRAD's ``state['k']``), references
+whose state lacks fields the checkpoint has (a changed config, schedulefree's
+empty live entries) and parameters moved to another param group.
 
 Everything is built bottom-up from small independent draws (no filtering), so
 failing examples shrink to few parameters, one group, ``()`` shapes, the first
@@ -96,6 +100,15 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise InvalidArgument(f"{name}={value!r} must be a bool")
+
+
+def _no_optimizer_parts(kind: str, **asked: object) -> None:
+    """Raise if optimizer-only options are asked of a strategy that draws no optimizer."""
+    wanted = [f"{name}={value!r}" for name, value in asked.items() if value]
+    if wanted:
+        raise InvalidArgument(
+            f"{', '.join(wanted)} needs an optimizer state dict, but kind={kind!r} draws none"
+        )
 
 
 def _one_or_more(name: str, value: object, one: type, what: str, noun: str) -> tuple[Any, ...]:
@@ -307,7 +320,13 @@ _NEW_HYPERPARAMETERS = {
 
 
 def _state(
-    kind: str, p: _Param, step: int, shape: tuple[int, ...], dtype: torch.dtype
+    kind: str,
+    p: _Param,
+    step: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    amsgrad: bool = False,
 ) -> dict[Any, Any] | None:
     def t() -> torch.Tensor:
         return _tensor(shape, dtype, step, meta=p.meta)
@@ -317,7 +336,10 @@ def _state(
     if kind == "sgd_momentum":
         return {"momentum_buffer": t()}
     if kind == "adam":
-        return {"step": torch.tensor(float(step)), "exp_avg": t(), "exp_avg_sq": t()}
+        entry = {"step": torch.tensor(float(step)), "exp_avg": t(), "exp_avg_sq": t()}
+        if amsgrad:
+            entry["max_exp_avg_sq"] = t()
+        return entry
     return {  # Shampoo keeps one factor matrix per dimension
         "step": torch.tensor(float(step)),
         "factor_matrices": {i: t() for i in range(max(1, len(shape)))},
@@ -337,15 +359,20 @@ def _optimizer_dict(
     keyed: str,
     overrides: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     lacking: str | None = None,
+    amsgrad: bool = False,
 ) -> dict[str, Any]:
-    """A nested optimizer state dict over ``params`` (fqn- or id-keyed)."""
+    """A nested optimizer state dict over ``params`` (fqn- or id-keyed).
+
+    ``amsgrad``: Adam's state has ``max_exp_avg_sq`` too (``hyper.amsgrad`` is
+    the caller's to set).
+    """
     overrides = overrides or {}
-    ids = {p.fqn: (i if keyed == "id" else p.fqn) for i, p in enumerate(params)}
+    ids = _ids(params, keyed)
     state: dict[Any, Any] = {}
     for p in params:
         if p.fqn in stateful:
             shape, dtype = overrides.get(p.fqn, (p.shape, p.dtype))
-            entry = _state(kind, p, step, shape, dtype)
+            entry = _state(kind, p, step, shape, dtype, amsgrad=amsgrad)
             if entry is not None:
                 state[ids[p.fqn]] = entry
     groups = []
@@ -356,6 +383,56 @@ def _optimizer_dict(
         group["params"] = [ids[p.fqn] for p in params if p.group == g]
         groups.append(group)
     return {"state": state, "param_groups": groups}
+
+
+def _ids(params: Sequence[_Param], keyed: str) -> dict[str, Any]:
+    """Each parameter's id: its fqn, or (``keyed="id"``) its position, as torch numbers them."""
+    return {p.fqn: (i if keyed == "id" else p.fqn) for i, p in enumerate(params)}
+
+
+# An optimizer's own key beside state and param_groups (heavyball keeps one, and its load
+# hook reads it back): a small mapping of scalars and a tensor.
+_EXTRA_KEY = "heavyball"
+_EXTRA_FIELDS = ("step", "schedule", "stochastic")
+# Optimizer-level entries in ``state``, under keys that are no param id: MADGRAD's global
+# ``state['k']`` (a one-element int64 tensor) and a plain step counter.
+_ENTRIES = ("k", "global_step")
+# Where an optimizer-level part is: on both sides, only one, or neither (the first shrinks best).
+_SIDES = ("both", "checkpoint", "reference", "neither")
+# What a reference lacking state fields has for a parameter the checkpoint has state for.
+_FATES = ("as is", "fewer fields", "empty", "no entry")
+
+
+def _extra(step: int, fields: Sequence[str]) -> dict[str, Any]:
+    """The ``heavyball``-like top-level value of an optimizer at ``step``, with ``fields``."""
+    values = {
+        "step": step,
+        "schedule": torch.full((2,), float(step)),
+        "stochastic": step > 1,
+    }
+    return {name: values[name] for name in fields}
+
+
+def _entry_value(name: str, step: int) -> Any:
+    return torch.tensor([step]) if name == "k" else step
+
+
+def _with_optimizer_level(
+    osd: dict[str, Any],
+    *,
+    extra: dict[str, Any] | None,
+    entries: Sequence[str],
+    step: int,
+    entries_first: bool,
+) -> dict[str, Any]:
+    """``osd`` with optimizer-level ``entries`` in its state (first or last) and ``extra``."""
+    if entries:
+        level = {name: _entry_value(name, step) for name in entries}
+        state = osd["state"]
+        osd["state"] = {**level, **state} if entries_first else {**state, **level}
+    if extra is not None:
+        osd[_EXTRA_KEY] = extra
+    return osd
 
 
 def _model_dict(
@@ -412,6 +489,8 @@ def optimizer_state_dicts(
     max_params: int = 6,
     min_groups: int = 1,
     max_groups: int = 3,
+    allow_extra_keys: bool = False,
+    allow_optimizer_entries: bool = False,
 ) -> st.SearchStrategy[dict[Any, Any]]:
     """Optimizer state dicts: nested (fqn- or id-keyed) or DSD-flattened.
 
@@ -431,11 +510,21 @@ def optimizer_state_dicts(
         min_groups: Fewest param groups (at least 1; more than the parameters
             gives empty groups).
         max_groups: Most param groups.
+        allow_extra_keys: Sometimes also draw a key beside ``state`` and
+            ``param_groups``, as heavyball keeps: ``"heavyball"``, a small
+            mapping of an int, a tensor and a bool (flattened: ``heavyball.step``, ...).
+        allow_optimizer_entries: Sometimes also draw optimizer-level entries in
+            ``state`` under keys that are no param id, as MADGRAD keeps: ``"k"``
+            (a one-element int64 tensor) and ``"global_step"`` (an int), leaves
+            rather than mappings (flattened: ``state.k``).
 
     Example:
         >>> from dsdmerge.strategies import optimizer_state_dicts
         >>> sorted(optimizer_state_dicts().example())
         ['param_groups', 'state']
+        >>> osd = optimizer_state_dicts(allow_extra_keys=True).example()
+        >>> set(osd) <= {"state", "param_groups", "heavyball"}
+        True
     """
     _check_choice("layout", layout, _LAYOUTS)
     _check_choice("keyed", keyed, _KEYED)
@@ -446,9 +535,19 @@ def optimizer_state_dicts(
     _check_bool("allow_meta", allow_meta)
     _check_bounds("params", min_params, max_params)
     _check_bounds("groups", min_groups, max_groups, floor=1)
-    return _optimizers(config, kinds, keyed, min_params, max_params, min_groups, max_groups).map(
-        flatten if layout == "flat" else lambda osd: osd
-    )
+    _check_bool("allow_extra_keys", allow_extra_keys)
+    _check_bool("allow_optimizer_entries", allow_optimizer_entries)
+    return _optimizers(
+        config,
+        kinds,
+        keyed,
+        min_params,
+        max_params,
+        min_groups,
+        max_groups,
+        extra_keys=allow_extra_keys,
+        optimizer_entries=allow_optimizer_entries,
+    ).map(flatten if layout == "flat" else lambda osd: osd)
 
 
 @st.composite
@@ -462,21 +561,33 @@ def _optimizers(
     min_groups: int,
     max_groups: int,
     params: _Params | None = None,
+    *,
+    extra_keys: bool = False,
+    optimizer_entries: bool = False,
 ) -> dict[Any, Any]:
     kind = draw(_choice(kinds))
     if params is None:
         params = draw(_params(config, min_params, max_params, min_groups, max_groups))
     stateful = {p.fqn for p in params.params if draw(_bools)}
-    return _optimizer_dict(
+    step = draw(_ints(1, 9))
+    osd = _optimizer_dict(
         kind,
         draw(_hypers),
         params.params,
         params.n_groups,
         stateful=stateful,
-        step=draw(_ints(1, 9)),
+        step=step,
         lrs=[draw(_choice(_FRESH_LRS)) for _ in range(params.n_groups)],
         keyed=keyed,
     )
+    if not extra_keys and not optimizer_entries:
+        return osd
+    extra = None
+    if extra_keys and draw(_bools):
+        extra = _extra(step, [name for name in _EXTRA_FIELDS if draw(_bools)])
+    entries = [name for name in _ENTRIES if optimizer_entries and draw(_bools)]
+    first = bool(entries) and draw(_bools)
+    return _with_optimizer_level(osd, extra=extra, entries=entries, step=step, entries_first=first)
 
 
 @st.composite
@@ -487,10 +598,26 @@ def _checkpoints(
     keyed: str,
     min_params: int,
     max_params: int,
+    *,
+    extra_keys: bool = False,
+    optimizer_entries: bool = False,
 ) -> dict[str, Any]:
     """``{"model": ..., "optim": ..., "step": int}`` over one set of parameters."""
     params = draw(_params(config, min_params, max_params, 1, 3))
-    optim = draw(_optimizers(config, kinds, keyed, 0, 0, 1, 1, params=params))
+    optim = draw(
+        _optimizers(
+            config,
+            kinds,
+            keyed,
+            0,
+            0,
+            1,
+            1,
+            params=params,
+            extra_keys=extra_keys,
+            optimizer_entries=optimizer_entries,
+        )
+    )
     return {
         "model": _model_dict(params.params),
         "optim": optim,
@@ -551,6 +678,8 @@ def nested_state_dicts(
     allow_meta: bool = False,
     min_params: int = 0,
     max_params: int = 6,
+    allow_extra_keys: bool = False,
+    allow_optimizer_entries: bool = False,
 ) -> st.SearchStrategy[dict[Any, Any]]:
     """Nested state dicts: optimizer dicts, nested model dicts, or whole checkpoints.
 
@@ -564,12 +693,21 @@ def nested_state_dicts(
         allow_meta: Also draw model-sized shapes, as meta tensors.
         min_params: Fewest parameters.
         max_params: Most parameters.
+        allow_extra_keys: Sometimes give the optimizer a key beside ``state``
+            and ``param_groups`` (see :func:`optimizer_state_dicts`); not for
+            ``kind="model"``.
+        allow_optimizer_entries: Sometimes give the optimizer's ``state``
+            optimizer-level entries (see :func:`optimizer_state_dicts`); not for
+            ``kind="model"``.
 
     Example:
         >>> import dsdmerge as dm
         >>> from dsdmerge.strategies import nested_state_dicts
         >>> dm.classify(nested_state_dicts().example())
         <Layout.NESTED: 'nested'>
+        >>> sd = nested_state_dicts(kind="checkpoint", allow_optimizer_entries=True).example()
+        >>> all(isinstance(e, dict) for p, e in sd["optim"]["state"].items() if p in sd["model"])
+        True
     """
     _check_choice("kind", kind, _KINDS)
     _check_choice("keyed", keyed, _KEYED)
@@ -577,13 +715,19 @@ def nested_state_dicts(
     config = _Config(_check_dtypes(dtypes), allow_meta)
     _check_bool("allow_meta", allow_meta)
     _check_bounds("params", min_params, max_params)
+    _check_bool("allow_extra_keys", allow_extra_keys)
+    _check_bool("allow_optimizer_entries", allow_optimizer_entries)
+    levels = {"extra_keys": allow_extra_keys, "optimizer_entries": allow_optimizer_entries}
     if kind == "optimizer":
-        return _optimizers(config, kinds, keyed, min_params, max_params, 1, 3)
+        return _optimizers(config, kinds, keyed, min_params, max_params, 1, 3, None, **levels)
     if kind == "model":
+        _no_optimizer_parts(
+            kind, allow_extra_keys=allow_extra_keys, allow_optimizer_entries=allow_optimizer_entries
+        )
         return model_state_dicts(
             dtypes=dtypes, allow_meta=allow_meta, min_params=min_params, max_params=max_params
         ).map(lambda m: {"model": m})
-    return _checkpoints(config, kinds, keyed, min_params, max_params)
+    return _checkpoints(config, kinds, keyed, min_params, max_params, **levels)
 
 
 def checkpoint_pairs(
@@ -605,6 +749,11 @@ def checkpoint_pairs(
     max_unexpected: int = 2,
     min_mismatched: int = 0,
     max_mismatched: int = 1,
+    allow_missing_fields: bool = False,
+    allow_extra_keys: bool = False,
+    allow_optimizer_entries: bool = False,
+    min_moved: int = 0,
+    max_moved: int = 0,
 ) -> st.SearchStrategy[tuple[dict[Any, Any], dict[Any, Any]]]:
     """``(checkpoint, reference)`` pairs of one layout, with a controlled mix of differences.
 
@@ -622,7 +771,13 @@ def checkpoint_pairs(
       nested state has keys the other side lacks).
 
     The other parameters (``min_params`` to ``max_params`` of them) are the same
-    on both sides, up to the values a trained optimizer changes.
+    on both sides, up to the values a trained optimizer changes, and up to what
+    the opt-in arguments below add: *moved* parameters (``min_moved`` to
+    ``max_moved``, among the parameters both sides have, none of them
+    mismatched) are in another param group in the reference than in the
+    checkpoint; ``allow_missing_fields``, ``allow_extra_keys`` and
+    ``allow_optimizer_entries`` add differences that are not counted in
+    parameters.
 
     Args:
         layout: ``"flat"`` or ``"nested"``; both sides share it.
@@ -649,6 +804,28 @@ def checkpoint_pairs(
         max_unexpected: Most unexpected parameters.
         min_mismatched: Fewest mismatched parameters.
         max_mismatched: Most mismatched parameters.
+        allow_missing_fields: Let the reference's state lack fields the
+            checkpoint has for a parameter both sides have (unexpected keys
+            beyond the counted parameters): a changed config (Adam checkpointed
+            with ``amsgrad=True`` has ``max_exp_avg_sq``, the reference built
+            with ``amsgrad=False`` has not), and, parameter by parameter, an
+            entry with a field less, an empty entry ``{}`` (schedulefree's
+            ``.train()`` makes those) or no entry at all (no DSD initialisation
+            step). Mismatched parameters keep their reference entries.
+        allow_extra_keys: Let the checkpoint, the reference or both have a key
+            beside ``state`` and ``param_groups``, as heavyball keeps:
+            ``"heavyball"``, a small mapping of an int, a tensor and a bool (the
+            reference's may have fewer of them). Flat pairs spell it
+            ``heavyball.step``, ...
+        allow_optimizer_entries: Let either side's ``state`` (or both) hold
+            optimizer-level entries under keys that are no param id, as MADGRAD
+            keeps: ``"k"`` (a one-element int64 tensor) and ``"global_step"``
+            (an int); leaves, not mappings. Flat pairs spell them ``state.k``.
+        min_moved: Fewest moved parameters: in another param group in the
+            reference than in the checkpoint (a bias moved from the decay group
+            to the no-decay group: every group has its own weight decay). Needs
+            fqn-keyed optimizers and ``max_groups >= 2``.
+        max_moved: Most moved parameters.
 
     Example:
         >>> import dsdmerge as dm
@@ -656,6 +833,11 @@ def checkpoint_pairs(
         >>> ckpt, ref = checkpoint_pairs(min_missing=1).example()
         >>> dm.classify(ckpt) == dm.classify(ref) == "flat", bool(dm.diff(ckpt, ref).missing)
         (True, True)
+        >>> ckpt, ref = checkpoint_pairs(layout="nested", min_moved=1, max_moved=1).example()
+        >>> groups = [{p: i for i, g in enumerate(sd["param_groups"]) for p in g["params"]}
+        ...           for sd in (ckpt, ref)]
+        >>> sum(groups[0][p] != i for p, i in groups[1].items() if p in groups[0])
+        1
     """
     _check_choice("layout", layout, _LAYOUTS)
     _check_choice("kind", kind, ("optimizer", "model"))
@@ -669,11 +851,30 @@ def checkpoint_pairs(
     _check_bounds("missing", min_missing, max_missing)
     _check_bounds("unexpected", min_unexpected, max_unexpected)
     _check_bounds("mismatched", min_mismatched, max_mismatched)
+    _check_bool("allow_missing_fields", allow_missing_fields)
+    _check_bool("allow_extra_keys", allow_extra_keys)
+    _check_bool("allow_optimizer_entries", allow_optimizer_entries)
+    _check_bounds("moved", min_moved, max_moved)
     if min_mismatched > max_params:
         raise InvalidArgument(
             f"min_mismatched={min_mismatched} exceeds max_params={max_params}: mismatched "
             "parameters are among the parameters both sides have"
         )
+    if min_mismatched + min_moved > max_params:
+        raise InvalidArgument(
+            f"min_mismatched={min_mismatched} and min_moved={min_moved} exceed "
+            f"max_params={max_params}: mismatched and moved parameters are different "
+            "parameters among those both sides have"
+        )
+    if kind == "model":
+        _no_optimizer_parts(
+            kind,
+            allow_missing_fields=allow_missing_fields,
+            allow_extra_keys=allow_extra_keys,
+            allow_optimizer_entries=allow_optimizer_entries,
+            min_moved=min_moved,
+        )
+        max_moved = 0
     if keyed == "id":
         if layout == "flat" or kind != "optimizer":
             raise InvalidArgument("keyed='id' needs layout='nested' and kind='optimizer'")
@@ -682,7 +883,17 @@ def checkpoint_pairs(
                 "keyed='id' pairs cannot have unexpected parameters: Optimizer.load_state_dict "
                 "maps int ids by position"
             )
-        max_unexpected = 0
+        if min_moved:
+            raise InvalidArgument(
+                "keyed='id' pairs cannot have moved parameters: Optimizer.load_state_dict maps "
+                "int ids by position, so a moved parameter is another parameter"
+            )
+        max_unexpected = max_moved = 0
+    if min_moved and max_groups < 2:
+        raise InvalidArgument(
+            f"min_moved={min_moved} needs max_groups >= 2 (got {max_groups}): a moved "
+            "parameter is in another group"
+        )
     if kind == "optimizer" and (min_mismatched or (keyed == "id" and min_missing)):
         kinds = tuple(k for k in kinds if k in _STATEFUL)  # stateless SGD has no tensors
         if not kinds:
@@ -702,6 +913,10 @@ def checkpoint_pairs(
         missing=(min_missing, max_missing),
         unexpected=(min_unexpected, max_unexpected),
         mismatched=(min_mismatched, max_mismatched),
+        moved=(min_moved, max_moved if max_groups >= 2 else 0),
+        missing_fields=allow_missing_fields,
+        extra_keys=allow_extra_keys,
+        optimizer_entries=allow_optimizer_entries,
     )
 
 
@@ -720,15 +935,26 @@ def _pairs(
     missing: tuple[int, int],
     unexpected: tuple[int, int],
     mismatched: tuple[int, int],
+    moved: tuple[int, int],
+    missing_fields: bool,
+    extra_keys: bool,
+    optimizer_entries: bool,
 ) -> tuple[dict[Any, Any], dict[Any, Any]]:
     opt_kind = draw(_choice(kinds))
     stateless = kind == "optimizer" and opt_kind not in _STATEFUL
     # Id-keyed stateless optimizers have no way to miss anything; no kind of SGD can mismatch.
     n_missing = draw(_ints(missing[0], 0 if stateless and keyed == "id" else missing[1]))
     n_unexpected = draw(_ints(*unexpected))
-    n_mismatched = draw(_ints(mismatched[0], 0 if stateless else mismatched[1]))
+    most = 0 if stateless else mismatched[1]
+    if moved[1]:  # mismatched and moved parameters are different ones among the shared
+        most = min(most, params[1] - moved[0])
+    n_mismatched = draw(_ints(mismatched[0], most))
+    n_moved = draw(_ints(moved[0], min(moved[1], params[1] - n_mismatched))) if moved[1] else 0
     n_changed = n_missing + n_unexpected
-    low = max(params[0], n_mismatched) + n_changed
+    low = max(params[0], n_mismatched + n_moved) + n_changed
+    if n_moved:  # two groups at least, so two parameters at least
+        low = max(low, 2)
+        groups = (max(2, groups[0]), groups[1])
     universe = draw(_params(config, low, max(low, params[1] + n_changed), *groups))
     names = draw(st.permutations([p.fqn for p in universe.params]))
     removed = set(names[:n_unexpected])
@@ -754,7 +980,18 @@ def _pairs(
                 p.shape,
                 torch.float64 if p.dtype != torch.float64 else torch.float32,
             )
-    ref_params = [p for p in universe.params if p.fqn not in removed]
+    n_groups = universe.n_groups
+    moved_to: dict[str, int] = {}
+    for name in shared[n_mismatched : n_mismatched + n_moved]:
+        old = by_fqn[name].group
+        new = draw(_ints(0, n_groups - 2))
+        moved_to[name] = new + (new >= old)  # any group but its old one
+    ref_params = [
+        dataclasses.replace(p, group=moved_to[p.fqn]) if p.fqn in moved_to else p
+        for p in universe.params
+        if p.fqn not in removed
+    ]
+    ref_params.sort(key=lambda p: p.group)  # stable: a moved parameter joins in model order
     ckpt_params = [p for p in universe.params if p.fqn not in new_params]
     if kind == "model":
         reference = _model_dict(ref_params)
@@ -763,10 +1000,11 @@ def _pairs(
             return {"model": checkpoint}, {"model": reference}
         return checkpoint, reference
     hyper = draw(_hypers)
-    n_groups = universe.n_groups
+    # a changed config: Adam checkpointed with amsgrad keeps max_exp_avg_sq; the reference has none
+    amsgrad = missing_fields and opt_kind == "adam" and draw(_bools)
     reference = _optimizer_dict(
         opt_kind,
-        hyper,
+        dataclasses.replace(hyper, amsgrad=False) if amsgrad else hyper,
         ref_params,
         n_groups,
         stateful={p.fqn for p in ref_params},
@@ -775,18 +1013,49 @@ def _pairs(
         keyed=keyed,
     )
     old_torch = allow_new_hyperparameters and draw(_bools)
+    step = draw(_ints(2, 9))
     checkpoint = _optimizer_dict(
         opt_kind,
-        hyper,
+        dataclasses.replace(hyper, amsgrad=True) if amsgrad else hyper,
         ckpt_params,
         n_groups,
         stateful={p.fqn for p in ckpt_params if p.fqn not in no_grad},
-        step=draw(_ints(2, 9)),
+        step=step,
         lrs=[draw(_choice(_TRAINED_LRS)) for _ in range(n_groups)],
         keyed=keyed,
         overrides=overrides,
         lacking=_NEW_HYPERPARAMETERS[opt_kind] if old_torch else None,
+        amsgrad=amsgrad,
     )
+    if missing_fields:  # what the reference has for parameters the checkpoint has state for
+        r_state, r_ids = reference["state"], _ids(ref_params, keyed)
+        for name in shared[n_mismatched:]:
+            pid = r_ids[name]
+            entry = r_state.get(pid)
+            fate = draw(_choice(_FATES)) if entry is not None else "as is"
+            if fate == "fewer fields" and len(entry) > 1:
+                del entry[draw(_choice(tuple(entry)))]
+            elif fate in ("fewer fields", "empty"):
+                r_state[pid] = {}
+            elif fate == "no entry":
+                del r_state[pid]
+    if extra_keys:
+        where = draw(_choice(_SIDES[:3]))
+        if where != "reference":
+            checkpoint[_EXTRA_KEY] = _extra(step, _EXTRA_FIELDS)
+        if where != "checkpoint":
+            reference[_EXTRA_KEY] = _extra(0, [f for f in _EXTRA_FIELDS if draw(_bools)])
+    if optimizer_entries:
+        sides = {name: draw(_choice(_SIDES)) for name in _ENTRIES}
+        first = draw(_bools)
+        for osd, side, at in ((checkpoint, "checkpoint", step), (reference, "reference", 1)):
+            _with_optimizer_level(
+                osd,
+                extra=None,
+                entries=[name for name, where in sides.items() if where in ("both", side)],
+                step=at,
+                entries_first=first,
+            )
     if layout == "flat":
         return flatten(checkpoint), flatten(reference)
     return checkpoint, reference

@@ -296,11 +296,15 @@ def mutated(draw: st.DrawFn, base: st.SearchStrategy[Any]) -> Any:
     return root
 
 
+# what real optimizers keep besides: heavyball's top-level key, MADGRAD's state['k']
+_LEVELS = {"allow_extra_keys": True, "allow_optimizer_entries": True}
 valid_state_dicts: st.SearchStrategy[Any] = st.one_of(
     flat_state_dicts(max_params=3),
     nested_state_dicts(max_params=3),
     nested_state_dicts(keyed="id", max_params=3),
     nested_state_dicts(kind="checkpoint", max_params=3),
+    nested_state_dicts(keyed="id", max_params=3, **_LEVELS),
+    nested_state_dicts(kind="checkpoint", max_params=3, **_LEVELS),
 )
 
 hostile_state_dicts: st.SearchStrategy[Any] = st.one_of(
@@ -319,6 +323,23 @@ class Case:
         return f"Case({', '.join(map(_short.repr, self.values))})"
 
 
+# valid pairs, some with what real optimizers and trainers do (a reference lacking state
+# fields, heavyball's key, MADGRAD's state['k'], moved parameters), to break
+_valid_pairs = {
+    layout: st.one_of(
+        checkpoint_pairs(layout=layout, max_params=3),
+        checkpoint_pairs(
+            layout=layout,
+            max_params=3,
+            allow_missing_fields=True,
+            max_moved=2,
+            **_LEVELS,
+        ),
+    )
+    for layout in ("flat", "nested")
+}
+
+
 @st.composite
 def hostile_pairs(draw: st.DrawFn) -> Case:
     """Case(checkpoint, reference): a valid pair with one side broken, or two hostile values."""
@@ -326,7 +347,7 @@ def hostile_pairs(draw: st.DrawFn) -> Case:
     if how == "both_hostile":
         return Case(draw(hostile_state_dicts), draw(hostile_state_dicts))
     layout = draw(st.sampled_from(["flat", "nested"]))
-    ckpt, ref = draw(checkpoint_pairs(layout=layout, max_params=3))
+    ckpt, ref = draw(_valid_pairs[layout])
     if how == "break_checkpoint":
         return Case(draw(mutated(st.just(ckpt))), ref)
     if how == "break_reference":

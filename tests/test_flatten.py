@@ -223,6 +223,25 @@ def test_unflatten_with_like_rejects_keys_for_unknown_params():
         dm.unflatten({"param_groups.a.lr": 0.1, "state.zzz.step": 1}, like=like)
 
 
+def test_unflatten_with_like_places_the_optimizers_own_keys_like_lacks():
+    # was: "like has no place ... They name parameters" for a flat merge's heavyball key and
+    # MADGRAD's state['k'] when the reference (an optimizer that has not stepped) has none yet
+    like = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}
+    k = torch.tensor([3])
+    flat = {"state.k": k, "param_groups.a.lr": 0.2, "heavyball.step": 3, "heavyball.d.x": 1}
+    out = dm.unflatten(flat, like=like)
+    assert list(out) == ["state", "param_groups", "heavyball"]
+    assert out["state"]["k"] is k
+    assert out["heavyball"] == {"step": 3, "d": {"x": 1}}
+    assert dm.flatten(out) == flat  # as without like
+    assert dm.unflatten(flat)["state"]["k"] is k
+    # a parameter's state is a mapping: a leaf where it belongs has no place
+    with pytest.raises(dm.LayoutError, match="no place"):
+        dm.unflatten({"state.a": 1, "param_groups.a.lr": 0.1}, like=like)
+    with pytest.raises(dm.LayoutError, match="both a value and a prefix"):
+        dm.unflatten({"param_groups.a.lr": 0.1, "state": 1}, like=like)
+
+
 def test_unflatten_rejects_group_members_that_disagree():
     like = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a", "b"]}]}
     with pytest.raises(dm.LayoutError, match="disagree on 'lr'"):

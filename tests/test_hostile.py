@@ -523,3 +523,36 @@ def test_a_checkpoint_only_key_in_nested_optimizer_state_is_reported_and_kept():
         dm.merge(c, r, policy="strict")
     dropped = dm.merge(c, r, policy=dm.Policy(drop_unexpected=True))
     assert dropped["state"]["w"]["pre"] == {"left": t}
+
+
+@pytest.mark.parametrize("where", ["own key", "own key in both", "state entry", "nested state"])
+def test_an_optimizer_shaped_mapping_inside_an_optimizer_is_a_plain_mapping_everywhere(where):
+    # was: flatten spells a mapping with "state" and "param_groups" inside an optimizer (beside
+    # its state and param_groups, or in a parameter's state) as a plain mapping, but merge and
+    # diff took it for an optimizer: its param_groups list was reported nowhere ("no
+    # differences" while the flat forms differ) and copied instead of kept by identity
+    lst = [1]
+    shaped = {"state": {}, "param_groups": lst}
+    groups = [{"lr": 1, "params": ["w"]}]
+    c, r = osd(groups, {"w": {"step": 1}}), osd(groups, {"w": {"step": 1}})
+    if where.startswith("own key"):
+        c["hb"] = shaped
+        if where == "own key in both":
+            r["hb"] = {"state": {}, "param_groups": [2]}
+        key = "hb.param_groups"
+    elif where == "state entry":
+        c["state"]["v"] = shaped
+        key = "state.v.param_groups"
+    else:
+        c["state"]["w"]["pre"] = shaped
+        key = "state.w.pre.param_groups"
+    assert dm.flatten(c)[key] is lst
+    for a, b in ((c, r), (r, c)):
+        assert dm.diff(a, b) == dm.diff(dm.flatten(a), dm.flatten(b))
+    assert dm.diff(c, r).unexpected == (() if where == "own key in both" else (key,))
+    out = dm.merge(c, r)
+    assert dm.flatten(out)[key] is lst
+    assert dm.flatten(dm.merge(r, c))[key] is (
+        lst if where != "own key in both" else r["hb"]["param_groups"]
+    )
+    assert dm.unflatten(dm.flatten(c), like=c) == c

@@ -29,6 +29,32 @@ from dsdmerge.strategies import (
 MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore")
 
 
+# What real optimizers and trainers do (issue 10): a reference lacking state fields, heavyball's
+# top-level key, MADGRAD's state['k'], parameters moved to another group.
+FEATURES = {"allow_missing_fields": True, "allow_extra_keys": True, "allow_optimizer_entries": True}
+
+
+def _featured(**kw):
+    """Pairs with every opt-in feature. Flat pairs with moved parameters have no new ones: a
+    flat merge cannot tell a moved parameter's group, and refuses to pick the hyperparameters
+    of a new parameter that joins it (test_a_flat_merge_refuses_only_what_it_cannot_tell)."""
+    no_new = {**kw, "max_missing": 0}
+    return st.one_of(
+        checkpoint_pairs(layout="nested", **FEATURES, max_moved=2, **kw),
+        checkpoint_pairs(layout="nested", keyed="id", **FEATURES, **kw, max_unexpected=0),
+        checkpoint_pairs(layout="flat", **FEATURES, **kw),
+        checkpoint_pairs(layout="flat", **FEATURES, max_moved=2, **no_new),
+        checkpoint_pairs(
+            layout="nested",
+            allow_meta=True,
+            allow_new_hyperparameters=True,
+            **FEATURES,
+            max_moved=2,
+            **kw,
+        ),
+    )
+
+
 def _pairs(**kw):
     return st.one_of(
         checkpoint_pairs(layout="flat", **kw),
@@ -38,15 +64,20 @@ def _pairs(**kw):
         checkpoint_pairs(layout="nested", kind="model", **kw),
         checkpoint_pairs(layout="nested", allow_meta=True, allow_new_hyperparameters=True, **kw),
         checkpoint_pairs(layout="flat", allow_meta=True, allow_new_hyperparameters=True, **kw),
+        _featured(**kw),
     )
 
 
 pairs = _pairs()
+LEVELS = {"allow_extra_keys": True, "allow_optimizer_entries": True}
 nested = st.one_of(
     nested_state_dicts(),
     nested_state_dicts(keyed="id"),
     nested_state_dicts(kind="checkpoint", allow_meta=True),
     nested_state_dicts(kind="model"),
+    nested_state_dicts(**LEVELS),
+    nested_state_dicts(keyed="id", **LEVELS),
+    nested_state_dicts(kind="checkpoint", **LEVELS),
 )
 globs = st.lists(
     st.sampled_from(["state.*", "param_groups.*", "*.indexer.*", "*.weight*", "model.*", "*.lr"]),
@@ -60,6 +91,78 @@ def flat(sd):
 
 def _shape_taken(merged):
     return {m.key for m in merged.diff.mismatched if reshaped(m)}
+
+
+# -- an oracle for param groups, independent of dsdmerge -------------------------------------
+# The strategies give every param group its own weight decay, the same on both sides, so a
+# parameter's weight decay names its group in either state dict, flat or nested; a moved
+# parameter has one weight decay in the checkpoint and another in the reference.
+
+
+def _hyperparameters(f):
+    """{param id: {name: value}} from the param_groups.* keys of a flat dict, in key order."""
+    out = {}
+    for key, value in f.items():
+        if key.startswith("param_groups."):
+            pid, _, name = key[len("param_groups.") :].rpartition(".")
+            out.setdefault(pid, {})[name] = value
+    return out
+
+
+def _groups(hyper):
+    """{weight decay: member ids in order} (the members of one group are written together)."""
+    out = {}
+    for pid, values in hyper.items():
+        out.setdefault(values["weight_decay"], []).append(pid)
+    return out
+
+
+def _home(members, chk):
+    """The weight decay of the checkpoint group most of ``members`` (a reference group, in
+    order) are in, the first of them on a tie; None when the checkpoint has none of them."""
+    counts = {}
+    for pid in members:
+        if pid in chk:
+            decay = chk[pid]["weight_decay"]
+            counts[decay] = counts.get(decay, 0) + 1
+    return max(counts, key=counts.get, default=None)  # max keeps the first of equal counts
+
+
+def _mixed(fc, fr):
+    """Reference groups whose checkpoint members come from more than one checkpoint group."""
+    chk = _hyperparameters(fc)
+    return [
+        decay
+        for decay, members in _groups(_hyperparameters(fr)).items()
+        if len({chk[m]["weight_decay"] for m in members if m in chk}) > 1
+    ]
+
+
+def _moved(fc, fr):
+    """Parameters whose group (weight decay) differs between checkpoint and reference."""
+    chk, ref = _hyperparameters(fc), _hyperparameters(fr)
+    return [p for p in ref if p in chk and chk[p]["weight_decay"] != ref[p]["weight_decay"]]
+
+
+def _held(key, fc, fr):
+    """The values the checkpoint holds for a hyperparameter key's name, over the members of its
+    group in the reference (in order), as (member, value) pairs."""
+    chk, ref = _hyperparameters(fc), _hyperparameters(fr)
+    pid, _, name = key[len("param_groups.") :].rpartition(".")
+    members = _groups(ref)[ref[pid]["weight_decay"]]
+    return [(m, chk[m][name]) for m in members if name in chk.get(m, ())]
+
+
+def _ambiguous(fc, fr):
+    """Backfilled hyperparameter keys whose reference group's checkpoint members disagree: a
+    flat merge, which infers groups from equal reference values, cannot tell those."""
+    out = []
+    for key in fr.keys() - fc.keys():
+        if key.startswith("param_groups."):
+            values = [v for _, v in _held(key, fc, fr)]
+            if any(v != values[0] for v in values):
+                out.append(key)
+    return out
 
 
 # -- merge -----------------------------------------------------------------------------
@@ -239,6 +342,8 @@ def test_a_flat_merge_keeps_the_checkpoints_key_order_then_appends_backfills(pai
 def test_merge_commutes_with_flatten(pair):
     c, r = pair
     via_nested = flat(dm.merge(c, r, policy=MERGING))
+    if _ambiguous(flat(c), flat(r)):  # what only a nested merge can tell: it refuses flat
+        return  # (test_a_flat_merge_refuses_only_what_it_cannot_tell)
     via_flat = dm.merge(flat(c), flat(r), policy=MERGING)
     # a nested merge knows true group membership: it regroups what the reference moved or
     # dropped (a flat one cannot tell and keeps the checkpoint's values)
@@ -252,39 +357,69 @@ def test_merge_commutes_with_flatten(pair):
 @given(pairs)
 def test_a_flat_checkpoint_merges_over_a_nested_reference_like_over_its_flat_form(pair):
     c, r = pair
-    assert dm.merge(flat(c), r, policy=MERGING) == dm.merge(flat(c), flat(r), policy=MERGING)
+    over_nested = dm.merge(flat(c), r, policy=MERGING)
+    if _ambiguous(flat(c), flat(r)):  # the true groups tell what the flat form cannot
+        return  # test_a_flat_merge_refuses_only_what_it_cannot_tell
+    assert over_nested == dm.merge(flat(c), flat(r), policy=MERGING)
 
 
-def _hyperparameters(f):
-    """{param id: {name: value}} from the param_groups.* keys of a flat dict, in key order."""
-    out = {}
-    for key, value in f.items():
-        if key.startswith("param_groups."):
-            pid, _, name = key[len("param_groups.") :].rpartition(".")
-            out.setdefault(pid, {})[name] = value
-    return out
+@given(
+    checkpoint_pairs(
+        layout="nested", **FEATURES, min_moved=1, max_moved=2, min_missing=1, max_mismatched=0
+    ),
+    st.sampled_from(["default", "warn", "strict"]),
+)
+def test_a_flat_merge_refuses_only_what_it_cannot_tell(pair, policy):
+    """Flat over flat, groups are inferred from equal reference values: a new parameter's
+    hyperparameter whose group's checkpoint members disagree (a moved parameter among them) is
+    refused under every policy, naming the key, and nothing else is. With the true groups (a
+    nested reference) the value most members hold is taken (the first of them on a tie)."""
+    c, r = pair
+    fc, fr = flat(c), flat(r)
+    ambiguous = _ambiguous(fc, fr)
+    if policy == "strict":  # everything else allowed: only what cannot be told is left to refuse
+        policy = dm.STRICT.replace(allow_missing="*", allow_unexpected="*", conflict="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if ambiguous:
+            with pytest.raises(dm.MergeError, match="cannot be told") as info:
+                dm.merge(fc, fr, policy=policy)
+            assert any(repr(k) in str(info.value) for k in ambiguous)
+        else:
+            dm.merge(fc, fr, policy=policy)
+    out = dm.merge(fc, r, policy=MERGING)
+    for key in ambiguous:
+        held = _held(key, fc, fr)
+        counts = [sum(v == w for _, w in held) for _, v in held]
+        assert out[key] is held[counts.index(max(counts))][1], key
 
 
 @given(pairs)
 def test_backfilled_hyperparameters_are_the_checkpoints_for_that_group(pair):
     """A new parameter takes the checkpoint's (scheduled) hyperparameters of its group.
 
-    That is, the value the checkpoint has for the first member of the parameter's
+    Flat: the value the checkpoint has for the first member of the parameter's
     reference group that the checkpoint has; the reference's value only when the
-    checkpoint has no member of the group. The oracle is independent of
-    dsdmerge: the strategies give each group its own weight decay, on both sides,
-    so a parameter's group is its weight decay.
+    checkpoint has no member of the group. Nested, where the true groups are
+    known: every member of a reference group, new, moved or not, takes the values
+    of the checkpoint group most of its members were in (the first on a tie); the
+    reference's where that group lacks one. The oracle is independent of dsdmerge
+    (see _groups).
     """
     c, r = pair
     out, fc = flat(dm.merge(c, r, policy=MERGING)), flat(c)
-    ref = _hyperparameters(flat(r))
-    for pid, values in ref.items():
-        group = [m for m, v in ref.items() if v["weight_decay"] == values["weight_decay"]]
-        for name, ref_value in values.items():
-            from_group = (fc.get(f"param_groups.{m}.{name}", dm) for m in group)
-            expected = next((v for v in from_group if v is not dm), ref_value)
-            key = f"param_groups.{pid}.{name}"
-            assert out[key] is fc.get(key, expected), key
+    ref, chk = _hyperparameters(flat(r)), _hyperparameters(fc)
+    nested = dm.classify(c) == "nested"
+    checkpoint_groups = _groups(chk)
+    for members in _groups(ref).values():
+        home = _home(members, chk) if nested else None
+        source = checkpoint_groups[home] if home is not None else members
+        for pid in members:
+            for name, ref_value in ref[pid].items():
+                from_group = (chk[m][name] for m in source if name in chk.get(m, ()))
+                expected = next(from_group, ref_value)
+                key = f"param_groups.{pid}.{name}"
+                assert out[key] is (expected if nested else fc.get(key, expected)), key
 
 
 # -- diff ------------------------------------------------------------------------------
@@ -339,7 +474,7 @@ def test_strict_raises_iff_a_not_allowed_difference_exists(pair, allow):
     d = dm.diff(c, r)
     policy = dm.STRICT.replace(allow_missing=allow, allow_unexpected=allow)
     missing, unexpected = _not_allowed(d, policy)
-    if missing or unexpected or d.mismatched:
+    if missing or unexpected or d.mismatched or _mixed(flat(c), flat(r)):
         for call in (dm.merge, dm.check):
             with pytest.raises(dm.MergeError) as info:
                 call(c, r, policy=policy)
@@ -367,14 +502,175 @@ def test_warn_warns_iff_default_would_backfill_or_keep_something_not_allowed(pai
     assert any("missing from the checkpoint" in t for t in texts) == bool(missing)
     assert any("unexpected in the checkpoint" in t for t in texts) == bool(unexpected)
     assert any("dtype differs" in t for t in texts) == bool(dtype)
-    assert len(texts) == bool(missing) + bool(unexpected) + bool(dtype)  # one per kind
+    mixed = bool(_mixed(flat(c), flat(r)))  # moved parameters: a conflict of hyperparameters
+    assert any(" moved: " in t or "disagree" in t for t in texts) == mixed
+    assert len(texts) == bool(missing) + bool(unexpected) + bool(dtype) + mixed  # one per kind
     assert same_tree(out, dm.merge(c, r))  # and it merges exactly as the default does
 
 
 @given(pairs)
-def test_no_hyperparameter_conflicts_in_consistent_checkpoints(pair):
+def test_hyperparameter_conflicts_iff_a_reference_group_mixes_checkpoint_groups(pair):
+    """A consistent checkpoint has no conflicts, until parameters moved: then a reference group
+    whose checkpoint members come from several checkpoint groups is reported (a flat merge
+    sees them disagree, a nested one names the moved parameters)."""
     c, r = pair
-    assert dm.merge_with_diff(c, r, policy=MERGING.replace(conflict="raise")).conflicts == ()
+    policy = MERGING.replace(conflict="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        conflicts = dm.merge_with_diff(c, r, policy=policy).conflicts
+    mixed = _mixed(flat(c), flat(r))
+    assert bool(conflicts) == bool(mixed)
+    assert len(caught) == bool(conflicts)  # all of them in one warning
+    if conflicts and dm.classify(c) == "nested":
+        # each line names a member of a mixed group that takes another checkpoint group's
+        # hyperparameters ("moved" from the group its reference group takes after: on a tie,
+        # that may be the member that stayed, see test_lose_nothing.py)
+        groups = _groups(_hyperparameters(flat(r)))
+        members = {m for decay in mixed for m in groups[decay]}
+        assert all(any(f"{m} moved: " in line for m in members) for line in conflicts)
+
+
+# -- what real optimizers and trainers do (issue 10) ---------------------------------------
+
+
+def _owned(f, pids):
+    """The keys of a flat dict that belong to one of ``pids`` (``state.<pid>.*``,
+    ``param_groups.<pid>.*``): the others are optimizer-level (``state.k``, ``heavyball.*``)."""
+    prefixes = tuple(f"{head}.{p}." for p in pids for head in ("state", "param_groups"))
+    return {k for k in f if k.startswith(prefixes)}
+
+
+def _pids(*flats):
+    return set().union(*(_hyperparameters(f).keys() for f in flats))
+
+
+@given(_featured(max_mismatched=0), st.sampled_from([dm.DEFAULT, dm.WARN, MERGING]), st.booleans())
+def test_optimizer_level_parts_are_kept_by_identity_and_round_trip(pair, policy, drop):
+    """Keys beside state and param_groups (heavyball's) and optimizer-level state entries
+    (MADGRAD's state['k']): the checkpoint's kept by identity (dropped only by drop_unexpected,
+    where the reference lacks them), the reference's backfilled by identity; and every state
+    dict, merged or not, comes back from flatten/unflatten with the same tree and leaves."""
+    c, r = pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = dm.merge(c, r, policy=policy.replace(drop_unexpected=drop))
+    fo, fc, fr = flat(out), flat(c), flat(r)
+    pids = _pids(fc, fr)
+    level_c, level_r = fc.keys() - _owned(fc, pids), fr.keys() - _owned(fr, pids)
+    for key in level_c:
+        assert fo[key] is fc[key] if key in fr or not drop else key not in fo
+    assert all(fo[key] is fr[key] for key in level_r - level_c)
+    assert fo.keys() - _owned(fo, pids) == (level_r if drop else level_c | level_r)
+    for sd in (c, r, out):
+        if dm.classify(sd) == "nested":
+            assert same_tree(dm.unflatten(dm.flatten(sd), like=sd), sd)
+        else:  # (with heavyball's keys, no DSD optimizer dict: split on dots)
+            back = dm.flatten(dm.unflatten(sd))
+            assert back.keys() == sd.keys()
+            assert all(back[k] is v for k, v in sd.items())
+
+
+@given(
+    st.one_of(
+        checkpoint_pairs(layout="nested", **FEATURES, max_unexpected=0),
+        checkpoint_pairs(layout="nested", keyed="id", **FEATURES, max_unexpected=0),
+    )
+)
+def test_a_flat_merge_unflattens_like_the_reference_losing_nothing(pair):
+    """A flat merge (flatten_optimizer_state_dict=True) put back into the reference's nested
+    structure (int ids, true groups) keeps every key and value, the checkpoint's optimizer-level
+    ones the reference lacks too: placed under the optimizer (heavyball's key) or its state
+    (MADGRAD's state['k']), as unflatten without like reads them."""
+    c, r = pair
+    merged = dm.merge(flat(c), flat(r), policy=MERGING)
+    back = dm.flatten(dm.unflatten(merged, like=r))
+    assert back.keys() == merged.keys()
+    assert all(back[k] is v for k, v in merged.items())
+
+
+@given(
+    st.one_of(
+        checkpoint_pairs(layout="nested", allow_missing_fields=True, max_mismatched=0),
+        checkpoint_pairs(layout="flat", allow_missing_fields=True, max_mismatched=0),
+        checkpoint_pairs(layout="nested", keyed="id", allow_missing_fields=True, max_mismatched=0),
+        _featured(max_mismatched=0),
+    ),
+    st.sampled_from([dm.DEFAULT, dm.WARN, MERGING]),
+    st.sampled_from(["reference", "as_fresh"]),
+)
+def test_a_reference_lacking_state_fields_never_drops_the_checkpoints(pair, policy, fresh):
+    """Every state field the checkpoint has for a parameter that still exists is in the result,
+    the very object, whatever the reference lacks (a changed config: max_exp_avg_sq without
+    amsgrad; schedulefree's empty entries; no entry at all), as Optimizer.load_state_dict keeps
+    them. (Policy(drop_unexpected=True) drops the ones the reference lacks: it says so.)"""
+    c, r = pair
+    fc, fr = flat(c), flat(r)
+    fields = {k for k in _owned(fc, _pids(fr)) if k.startswith("state.")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flat(dm.merge(c, r, policy=policy, fresh=fresh))
+    assert all(out[k] is fc[k] for k in fields)
+
+
+@given(checkpoint_pairs(layout="nested", **FEATURES, min_moved=1, max_moved=2), st.booleans())
+def test_a_moved_parameter_takes_its_new_groups_hyperparameters_and_keeps_its_state(pair, drop):
+    """A parameter in another group in the reference than in the checkpoint (a bias moved to
+    the no-decay group) is listed once, in its reference group, and has that group's
+    hyperparameters: the checkpoint's values of the group most of the reference group's
+    members were in (the first of them on a tie). Its state is kept by identity."""
+    c, r = pair
+    out = dm.merge(c, r, policy=MERGING.replace(drop_unexpected=drop))
+    fo, fc, fr = flat(out), flat(c), flat(r)
+    ref, chk = _hyperparameters(fr), _hyperparameters(fc)
+    moved = _moved(fc, fr)
+    assert moved
+    # membership: the reference's groups, each parameter once; a checkpoint group no reference
+    # group took is kept (unless dropping) for the members the reference no longer has
+    n = len(r["param_groups"])
+    assert [g["params"] for g in out["param_groups"][:n]] == [
+        g["params"] for g in r["param_groups"]
+    ]
+    listed = [p for g in out["param_groups"] for p in g["params"]]
+    assert len(listed) == len(set(listed))
+    assert not drop or len(out["param_groups"]) == n
+    # hyperparameters and state
+    checkpoint_groups = _groups(chk)
+    for p in moved:
+        home = checkpoint_groups[_home(_groups(ref)[ref[p]["weight_decay"]], chk)]
+        for name, value in ref[p].items():
+            expected = next((chk[m][name] for m in home if name in chk[m]), value)
+            assert fo[f"param_groups.{p}.{name}"] is expected, (p, name)
+        state = [k for k in _owned(fc, [p]) if k.startswith("state.")]
+        assert all(fo[k] is fc[k] for k in state if k in fr or not drop)
+
+
+@given(
+    st.one_of(
+        checkpoint_pairs(layout="flat"),
+        checkpoint_pairs(layout="nested"),
+        checkpoint_pairs(layout="nested", keyed="id", max_unexpected=0),
+        _featured(),
+    ),
+    st.booleans(),
+)
+def test_as_fresh_leaves_exactly_the_parameters_without_checkpointed_state_stateless(pair, drop):
+    """fresh="as_fresh": a parameter the checkpoint has no state for (new, or never got a
+    gradient) has no state in the result; nothing else differs from fresh="reference", down to
+    the very objects (optimizer-level entries, heavyball's keys, groups)."""
+    c, r = pair
+    policy = MERGING.replace(drop_unexpected=drop)
+    as_reference = dm.merge(c, r, policy=policy)
+    as_fresh = dm.merge(c, r, policy=policy, fresh="as_fresh")
+    fc, fr = flat(c), flat(r)
+    stateless = {p for p in _pids(fr) if not any(k.startswith(f"state.{p}.") for k in fc)}
+    if dm.classify(c) == "nested":
+        kept = {p: e for p, e in as_reference["state"].items() if str(p) not in stateless}
+        assert same_tree(as_fresh, {**as_reference, "state": kept})
+        assert not {str(p) for p in as_fresh["state"]} & stateless
+    else:
+        gone = {k for k in _owned(as_reference, stateless) if k.startswith("state.")}
+        assert list(as_fresh) == [k for k in as_reference if k not in gone]
+        assert all(as_fresh[k] is v for k, v in as_reference.items() if k not in gone)
 
 
 # -- flatten / unflatten -------------------------------------------------------------------
@@ -385,14 +681,27 @@ def test_flatten_round_trip_with_like(sd):
     assert same_tree(dm.unflatten(dm.flatten(sd), like=sd), sd)
 
 
-@given(st.one_of(flat_state_dicts(), flat_state_dicts(allow_meta=True)))
+@given(
+    st.one_of(
+        flat_state_dicts(),
+        flat_state_dicts(allow_meta=True),
+        optimizer_state_dicts(layout="flat", allow_optimizer_entries=True),  # state.k
+        optimizer_state_dicts(layout="flat", **LEVELS),  # heavyball.*: split on dots
+    )
+)
 def test_unflatten_round_trip_without_like_on_dsd_flat_dicts(f):
     back = dm.flatten(dm.unflatten(f))
     assert back.keys() == f.keys()
     assert all(back[k] is v for k, v in f.items())
 
 
-@given(st.one_of(optimizer_state_dicts(keyed="id"), optimizer_state_dicts()))
+@given(
+    st.one_of(
+        optimizer_state_dicts(keyed="id"),
+        optimizer_state_dicts(),
+        optimizer_state_dicts(keyed="id", **LEVELS),
+    )
+)
 def test_unflatten_of_a_flat_optimizer_dict_loads_where_the_nested_one_would(osd):
     # like= restores int ids and group membership exactly
     assert same_tree(dm.unflatten(dm.flatten(osd), like=osd), osd)

@@ -71,6 +71,24 @@ BAD = [
     (ds.checkpoint_pairs, {"allow_new_hyperparameters": None}),
     (ds.checkpoint_pairs, {"allow_meta": 0}),
     (ds.checkpoint_pairs, {"dtypes": torch.int8}),
+    (ds.checkpoint_pairs, {"allow_missing_fields": 1}),
+    (ds.checkpoint_pairs, {"allow_extra_keys": None}),
+    (ds.checkpoint_pairs, {"allow_optimizer_entries": "yes"}),
+    (ds.checkpoint_pairs, {"min_moved": -1}),
+    (ds.checkpoint_pairs, {"min_moved": 2, "max_moved": 1}),
+    (ds.checkpoint_pairs, {"max_moved": 1.0}),
+    (ds.checkpoint_pairs, {"min_moved": 1, "max_moved": 1, "max_groups": 1}),
+    (ds.checkpoint_pairs, {"min_moved": 6, "max_moved": 6, "min_mismatched": 1}),  # > 6 shared
+    (ds.checkpoint_pairs, {"keyed": "id", "layout": "nested", "min_moved": 1, "max_moved": 1}),
+    (ds.checkpoint_pairs, {"kind": "model", "min_moved": 1, "max_moved": 1}),
+    (ds.checkpoint_pairs, {"kind": "model", "allow_missing_fields": True}),
+    (ds.checkpoint_pairs, {"kind": "model", "allow_extra_keys": True}),
+    (ds.checkpoint_pairs, {"kind": "model", "allow_optimizer_entries": True}),
+    (ds.optimizer_state_dicts, {"allow_extra_keys": 1}),
+    (ds.optimizer_state_dicts, {"allow_optimizer_entries": None}),
+    (ds.nested_state_dicts, {"allow_extra_keys": "no"}),
+    (ds.nested_state_dicts, {"kind": "model", "allow_extra_keys": True}),
+    (ds.nested_state_dicts, {"kind": "model", "allow_optimizer_entries": True}),
 ]
 
 
@@ -101,6 +119,12 @@ def test_good_edge_arguments_are_accepted():
     ds.optimizer_state_dicts(optimizers="adam", dtypes=torch.float64, min_params=0, max_params=0)
     ds.checkpoint_pairs(optimizers=("sgd",), min_missing=1)  # fqn-keyed: new params are missing
     ds.checkpoint_pairs(min_mismatched=6, max_mismatched=6, max_params=6)
+    ds.checkpoint_pairs(min_mismatched=3, max_mismatched=3, min_moved=3, max_moved=3)
+    # an upper bound alone asks for nothing those pairs cannot have (as max_unexpected)
+    ds.checkpoint_pairs(kind="model", max_moved=2)
+    ds.checkpoint_pairs(layout="nested", keyed="id", max_moved=2)
+    ds.checkpoint_pairs(max_groups=1, max_moved=2)
+    ds.nested_state_dicts(kind="checkpoint", allow_extra_keys=True, allow_optimizer_entries=True)
 
 
 # -- contracts -------------------------------------------------------------------------
@@ -133,6 +157,7 @@ PAIR_ARGS = st.fixed_dictionaries(
         "min_missing": st.integers(0, 2),
         "min_unexpected": st.integers(0, 2),
         "min_mismatched": st.integers(0, 2),
+        "min_moved": st.integers(0, 1),
         "min_params": st.integers(1, 3),
     }
 ).map(
@@ -141,6 +166,7 @@ PAIR_ARGS = st.fixed_dictionaries(
         "max_missing": d["min_missing"] + 1,
         "max_unexpected": d["min_unexpected"] + 1,
         "max_mismatched": d["min_mismatched"] + 1,
+        "max_moved": d["min_moved"] + 1,
         "max_params": d["min_params"] + 2,
     }
 )
@@ -166,6 +192,12 @@ def test_checkpoint_pairs_have_the_differences_they_were_asked_for(data, args, l
     same = ids - missing - unexpected
     assert args["min_params"] <= len(same) <= args["max_params"]
     assert not missing & unexpected
+    # moved parameters have the same keys on both sides; their weight decay tells them
+    fc, fr = dm.flatten(c), dm.flatten(r)
+    decay = [k for k in fc.keys() & fr.keys() if k.endswith(".weight_decay")]
+    moved = _owners([k for k in decay if fc[k] != fr[k]], ids)
+    assert args["min_moved"] <= len(moved) <= args["max_moved"]
+    assert moved <= same - mismatched
 
 
 @given(ds.checkpoint_pairs(layout="nested", keyed="id", min_missing=1, max_mismatched=0))
@@ -181,6 +213,157 @@ def test_new_hyperparameters_are_what_an_older_torch_lacks(pair):
     c, r = pair
     extra = {k.rpartition(".")[2] for k in dm.diff(c, r).missing if k.startswith("param_groups.")}
     assert extra <= {"decoupled_weight_decay", *r["param_groups"][0]}
+
+
+# -- the opt-in features of real optimizers and trainers ---------------------------------
+
+FEATURES = {
+    "allow_missing_fields": True,
+    "allow_extra_keys": True,
+    "allow_optimizer_entries": True,
+    "max_moved": 2,
+}
+
+
+def _groups_of(osd):
+    """{param id: index of its group}."""
+    return {p: i for i, g in enumerate(osd["param_groups"]) for p in g["params"]}
+
+
+def _level(osd):
+    """The optimizer-level parts: state entries that are no param id, and the other keys."""
+    ids = _groups_of(osd)
+    entries = {k: v for k, v in osd["state"].items() if k not in ids}
+    return entries, {k: v for k, v in osd.items() if k not in ("state", "param_groups")}
+
+
+@given(
+    st.one_of(
+        ds.checkpoint_pairs(layout="nested"),
+        ds.checkpoint_pairs(layout="nested", keyed="id", max_unexpected=0),
+        ds.checkpoint_pairs(layout="nested", allow_new_hyperparameters=True, allow_meta=True),
+    )
+)
+def test_by_default_pairs_have_none_of_the_opt_in_features(pair):
+    c, r = pair
+    for osd in pair:
+        assert _level(osd) == ({}, {})
+        assert all(isinstance(e, dict) and e for e in osd["state"].values())
+    moved = {p for p, i in _groups_of(r).items() if _groups_of(c).get(p, i) != i}
+    assert not moved
+    shared = c["state"].keys() & r["state"].keys()
+    assert all(c["state"][p].keys() <= r["state"][p].keys() for p in shared)
+
+
+@given(
+    st.data(),
+    st.sampled_from(["fqn", "id"]),
+    st.integers(0, 2),
+    st.sampled_from(ds.OPTIMIZERS),
+)
+def test_opt_in_features_are_what_they_say(data, keyed, moved, kind):
+    args = {**FEATURES, "min_moved": moved, "max_moved": moved} if keyed == "fqn" else FEATURES
+    if keyed == "id":
+        args = {**args, "max_unexpected": 0}
+    c, r = data.draw(ds.checkpoint_pairs(layout="nested", keyed=keyed, optimizers=kind, **args))
+    c_groups, r_groups = _groups_of(c), _groups_of(r)
+    # extra keys: only heavyball's, a mapping; the reference's fields are some of the checkpoint's
+    (c_entries, c_extra), (r_entries, r_extra) = _level(c), _level(r)
+    assert set(c_extra) | set(r_extra) <= {"heavyball"}
+    if c_extra and r_extra:
+        assert r_extra["heavyball"].keys() <= c_extra["heavyball"].keys()
+    # optimizer-level entries: str keys that are no param id, leaves
+    for entries in (c_entries, r_entries):
+        assert set(entries) <= {"k", "global_step"}
+        assert not any(isinstance(v, dict) for v in entries.values())
+    # moved: exactly as many as asked, each in another group with another weight decay
+    moved_ids = [p for p, i in r_groups.items() if p in c_groups and c_groups[p] != i]
+    assert len(moved_ids) == (moved if keyed == "fqn" else 0)
+    for p in moved_ids:
+        old, new = c["param_groups"][c_groups[p]], r["param_groups"][r_groups[p]]
+        assert old["weight_decay"] != new["weight_decay"]
+        assert p in c["state"] or kind == "sgd"  # moved parameters are trained ones
+    # missing fields: the reference never has a state field the checkpoint lacks for a
+    # parameter the checkpoint has state for (but a reshaped parameter's Shampoo factors)
+    d = dm.diff(c, r)
+    reshaped = {m.key.split(".")[1] for m in d.mismatched} if keyed == "fqn" else set()
+    for p in c["state"].keys() & r["state"].keys() & c_groups.keys():
+        if str(p) not in {x.split(".factor")[0] for x in reshaped}:
+            assert r["state"][p].keys() <= c["state"][p].keys(), p
+
+
+def _has(strategy, predicate):
+    # generate only: an example exists; no need to shrink it
+    find(strategy, predicate, settings=settings(max_examples=500, phases=[Phase.generate]))
+
+
+def _moved(pair):
+    c, r = pair
+    c_groups = _groups_of(c)
+    return [p for p, i in _groups_of(r).items() if p in c_groups and c_groups[p] != i]
+
+
+def test_each_opt_in_feature_is_drawn():
+    pairs = ds.checkpoint_pairs(layout="nested", **FEATURES)
+    # heavyball's key on either side or both, and a reference with fewer of its fields
+    _has(pairs, lambda p: "heavyball" in p[0] and "heavyball" not in p[1])
+    _has(pairs, lambda p: "heavyball" in p[1] and "heavyball" not in p[0])
+    _has(pairs, lambda p: "heavyball" in p[0] and 0 < len(p[1].get("heavyball", ())) < 3)
+    # MADGRAD's state['k'] on either side, first or last in the state
+    _has(pairs, lambda p: "k" in p[0]["state"] and "k" not in p[1]["state"])
+    _has(pairs, lambda p: "global_step" in p[1]["state"] and "global_step" not in p[0]["state"])
+    _has(pairs, lambda p: next(iter(p[0]["state"]), None) == "k")
+    _has(pairs, lambda p: list(p[1]["state"])[-1:] == ["k"])
+    # references lacking fields: a changed config, one field less, an empty entry, no entry
+    _has(
+        pairs,
+        lambda p: (
+            any("max_exp_avg_sq" in e for e in p[0]["state"].values() if isinstance(e, dict))
+            and p[0]["param_groups"][0]["amsgrad"]
+            and not p[1]["param_groups"][0]["amsgrad"]
+        ),
+    )
+    _has(pairs, lambda p: any(e == {} for e in p[1]["state"].values()))
+    _has(
+        pairs,
+        lambda p: any(
+            isinstance(e, dict) and 0 < len(e) < len(p[0]["state"].get(pid, ()))
+            for pid, e in p[1]["state"].items()
+        ),
+    )
+    _has(
+        pairs,
+        lambda p: any(
+            pid not in p[1]["state"]
+            for pid in p[1]["param_groups"][0]["params"]
+            if pid in p[0]["state"]
+        ),
+    )
+    # moved parameters: two; one alone in its new group (so its old group is that group's
+    # majority); a group emptied
+    _has(pairs, lambda p: len(_moved(p)) == 2)
+    _has(
+        pairs,
+        lambda p: any(
+            len(g["params"]) == 1 and g["params"][0] in _moved(p) for g in p[1]["param_groups"]
+        ),
+    )
+    _has(pairs, lambda p: any(not g["params"] for g in p[1]["param_groups"]))
+    _has(
+        ds.checkpoint_pairs(layout="flat", min_moved=1, max_moved=1),
+        lambda p: any(v != p[1].get(k, v) for k, v in p[0].items() if k.endswith(".weight_decay")),
+    )
+    # single optimizer state dicts
+    _has(ds.optimizer_state_dicts(allow_extra_keys=True), lambda o: "heavyball" in o)
+    _has(ds.optimizer_state_dicts(allow_optimizer_entries=True), lambda o: "k" in o["state"])
+    _has(
+        ds.optimizer_state_dicts(layout="flat", allow_optimizer_entries=True),
+        lambda f: "state.global_step" in f,
+    )
+    _has(
+        ds.nested_state_dicts(kind="checkpoint", allow_extra_keys=True),
+        lambda sd: "heavyball" in sd["optim"],
+    )
 
 
 @given(ds.nested_state_dicts(kind="checkpoint"))
