@@ -182,10 +182,8 @@ def _flatten_optimizer(
             if id(v) in on_path:
                 raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
             on_path.add(id(v))
-            if is_optimizer_state_dict(v):  # as a merge sees it: an optimizer, like any other
-                written += _flatten_optimizer(out, v, key + ".", on_path)
-            else:
-                written += _flatten_tree(out, v, key + ".", on_path, optimizers=True)
+            # inside an optimizer, a mapping is a plain mapping (as merge, diff, unflatten see it)
+            written += _flatten_tree(out, v, key + ".", on_path, optimizers=False)
             on_path.discard(id(v))
         else:
             out[key] = v

@@ -395,7 +395,7 @@ def expected_flat_leaves(sd: Mapping[Any, Any]) -> list[Any]:
                 if name in ("state", "param_groups"):
                     continue
                 if isinstance(value, Mapping):
-                    stack.append((value, True))
+                    stack.append((value, False))
                 else:
                     out.append(value)
             continue
