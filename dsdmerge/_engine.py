@@ -1393,10 +1393,12 @@ class _Nested:
     ) -> list[dict[str, Any]]:
         """Merge param groups: hyperparameters from the checkpoint, membership from the reference.
 
-        A reference group takes the hyperparameters of the checkpoint group where
-        most of its members were (the first such group on a tie): new members and
-        members moved from another group take them too (a bias moved to a
-        no-decay group gets that group's decay), hyperparameters the checkpoint
+        A reference group takes the hyperparameters of its checkpoint group: the
+        one at the same position (as ``Optimizer.load_state_dict`` pairs groups)
+        when some of its members come from it, else the one most of its members
+        come from (the first on a tie; groups were reordered). New members and
+        members moved from another group take them too (biases moved to the
+        no-decay group get its decay, however many they are), hyperparameters the checkpoint
         group lacks come from the reference group, and a reference group with no
         member in the checkpoint is taken whole from the reference. The ``params``
         lists are the reference's (``Optimizer.load_state_dict`` maps by position),
@@ -1442,7 +1444,9 @@ class _Nested:
             if not set(map(type, params)) <= {int, str}:  # key_str raises, naming the first
                 [key_str(pid, f"{where}[{ri}]") for pid in params]
             owners = list(map(c_index.get, params))  # each member's checkpoint group
-            ci = _most_common(owners)
+            # the checkpoint group at the same position, as Optimizer.load_state_dict pairs
+            # groups, when some member comes from it; else where most members come from
+            ci = ri if ri in owners else _most_common(owners)
             if ci is None and not params:  # an empty group: the checkpoint's next empty one
                 ci = next(empty_c_groups, None)
             if ci is None:

@@ -117,9 +117,14 @@ def _groups(hyper):
     return out
 
 
-def _home(members, chk):
-    """The weight decay of the checkpoint group most of ``members`` (a reference group, in
-    order) are in, the first of them on a tie; None when the checkpoint has none of them."""
+def _home(members, chk, decay=None):
+    """The weight decay of the checkpoint group of ``members`` (a reference group, in order,
+    whose own weight decay is ``decay``): the checkpoint group with the same weight decay (at
+    the same position: the strategies give both sides the same group order) when some member
+    is in it, else the one most of them are in (the first on a tie); None when the checkpoint
+    has none of them."""
+    if decay is not None and any(chk.get(p, {}).get("weight_decay") == decay for p in members):
+        return decay
     counts = {}
     for pid in members:
         if pid in chk:
@@ -402,17 +407,17 @@ def test_backfilled_hyperparameters_are_the_checkpoints_for_that_group(pair):
     reference group that the checkpoint has; the reference's value only when the
     checkpoint has no member of the group. Nested, where the true groups are
     known: every member of a reference group, new, moved or not, takes the values
-    of the checkpoint group most of its members were in (the first on a tie); the
-    reference's where that group lacks one. The oracle is independent of dsdmerge
-    (see _groups).
+    of its checkpoint group (the one at its position when some member comes from it,
+    else the one most members come from); the reference's where that group lacks one.
+    The oracle is independent of dsdmerge (see _groups).
     """
     c, r = pair
     out, fc = flat(dm.merge(c, r, policy=MERGING)), flat(c)
     ref, chk = _hyperparameters(flat(r)), _hyperparameters(fc)
     nested = dm.classify(c) == "nested"
     checkpoint_groups = _groups(chk)
-    for members in _groups(ref).values():
-        home = _home(members, chk) if nested else None
+    for decay, members in _groups(ref).items():
+        home = _home(members, chk, decay) if nested else None
         source = checkpoint_groups[home] if home is not None else members
         for pid in members:
             for name, ref_value in ref[pid].items():
@@ -616,8 +621,8 @@ def test_a_reference_lacking_state_fields_never_drops_the_checkpoints(pair, poli
 def test_a_moved_parameter_takes_its_new_groups_hyperparameters_and_keeps_its_state(pair, drop):
     """A parameter in another group in the reference than in the checkpoint (a bias moved to
     the no-decay group) is listed once, in its reference group, and has that group's
-    hyperparameters: the checkpoint's values of the group most of the reference group's
-    members were in (the first of them on a tie). Its state is kept by identity."""
+    hyperparameters: the checkpoint's values of its new group (see _home). Its state is
+    kept by identity."""
     c, r = pair
     out = dm.merge(c, r, policy=MERGING.replace(drop_unexpected=drop))
     fo, fc, fr = flat(out), flat(c), flat(r)
@@ -636,7 +641,8 @@ def test_a_moved_parameter_takes_its_new_groups_hyperparameters_and_keeps_its_st
     # hyperparameters and state
     checkpoint_groups = _groups(chk)
     for p in moved:
-        home = checkpoint_groups[_home(_groups(ref)[ref[p]["weight_decay"]], chk)]
+        decay = ref[p]["weight_decay"]
+        home = checkpoint_groups[_home(_groups(ref)[decay], chk, decay)]
         for name, value in ref[p].items():
             expected = next((chk[m][name] for m in home if name in chk[m]), value)
             assert fo[f"param_groups.{p}.{name}"] is expected, (p, name)
