@@ -39,10 +39,11 @@ from operator import (
     ne,
     not_,
 )
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
 from dsdmerge._values import (
     KNOWN_LEAF_TYPES,
     MISSING,
@@ -54,7 +55,6 @@ from dsdmerge._values import (
     short_repr,
     tensor_like,
 )
-from dsdmerge.diff import Mismatch, TensorMeta
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.flatten import (
     _flatten_into,
@@ -79,35 +79,6 @@ from dsdmerge.layout import (
 )
 
 __all__: list[str] = []
-
-
-class Slot(NamedTuple):
-    """Where a mismatched value sits in the merged result, with both sides' values.
-
-    Calling it puts the reference's value there; :attr:`put` puts any value there
-    (a resize puts a new tensor).
-    """
-
-    put: Callable[[Any], None]
-    checkpoint: Any
-    reference: Any
-
-    def __call__(self) -> None:
-        self.put(self.reference)
-
-
-@dataclasses.dataclass
-class Outcome:
-    """What one pass found (and built)."""
-
-    merged: dict[Any, Any] | None
-    missing: list[str]
-    unexpected: list[str]
-    mismatches: list[Mismatch]
-    conflicts: list[str] = dataclasses.field(default_factory=list)
-    problems: list[str] = dataclasses.field(default_factory=list)
-    # mismatch key -> its place in ``merged``: call it to put the reference's value there
-    take_reference: dict[str, Slot] = dataclasses.field(default_factory=dict)
 
 
 def run(

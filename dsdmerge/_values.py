@@ -1,32 +1,31 @@
-"""Private helpers on leaf values and flat keys: key strings, value equality, tensor metadata."""
+"""Leaf values: what a leaf is, how a nested key is spelled, when two values are equal.
+
+* :func:`key_str`: the flat-key spelling of a nested key (``str`` as is, ``int`` in
+  decimal; anything else is refused).
+* :func:`freeze` / :func:`same_value`: equality of hyperparameter values (floats by
+  value with NaN equal to NaN, containers element-wise, small CPU tensors by content,
+  everything else by identity), bounded for hostile values.
+* :func:`is_tensor_like` / :func:`tensor_like`: a value is tensor-like when its class
+  defines ``shape`` and ``dtype``; :func:`leaf_codes` tells the common leaf types apart
+  in one C-level pass.
+"""
 
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+# re-exported: the modules that take their value helpers from here take it too
+from dsdmerge._text import short_repr as short_repr
 from dsdmerge.errors import StateDictTypeError
 
 __all__: list[str] = []
 
 MISSING: Any = object()
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel = 3
-_REPR.maxstring = 120
-_REPR.maxother = 120
-
-
-def short_repr(value: object) -> str:
-    """A bounded ``repr`` for messages: never recurses deeply, never raises, never huge."""
-    try:
-        return _REPR.repr(value)
-    except Exception:  # an exotic __repr__  # noqa: BLE001
-        return f"<{type(value).__name__} object>"
+"""A value no state dict holds: "no value here" where ``None`` is a value."""
 
 
 def key_str(key: object, where: str) -> str:

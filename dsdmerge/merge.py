@@ -15,7 +15,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from dsdmerge._engine import Outcome, run
+from dsdmerge._engine import run
+from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
 from dsdmerge.diff import KeyDiff, Mismatch, suggest
 from dsdmerge.errors import DSDMergeWarning, MergeError

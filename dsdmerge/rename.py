@@ -32,7 +32,6 @@ taken as fqns, so rename ``{"model": {...}}`` nested rather than flattened.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 import warnings
@@ -43,6 +42,7 @@ from operator import add, is_not, itemgetter, methodcaller, or_
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
+from dsdmerge._records import SuggestedRename
 from dsdmerge._values import is_tensor_like, shape_dtype, short_repr
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameError
 from dsdmerge.layout import (
@@ -923,55 +923,6 @@ def _candidates_renamed(keys: list[str], renamer: Renamer) -> list[str] | None:
 
 # --------------------------------------------------------------------------------------
 # suggestions
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SuggestedRename:
-    r"""A rename rule that would turn unexpected keys into missing ones (found by ``diff``).
-
-    Every parameter it renames has all its checkpoint keys unexpected, lands on a
-    parameter whose reference keys are all missing, and the keys pair up one to
-    one with equal shapes and dtypes. It is a suggestion: nothing applies it
-    unless you pass it as ``rename=``.
-
-    Attributes:
-        pattern: The regular expression, as :func:`~dsdmerge.rename` takes it.
-        replacement: Its replacement.
-        params: How many fqns it renames.
-        keys: How many unexpected flat keys it pairs with missing ones.
-        example: One ``(checkpoint fqn, reference fqn)`` pair.
-        preset: The :data:`~dsdmerge.RENAME_PRESETS` name whose rule this is, if any.
-
-    Example:
-        >>> import torch, dsdmerge as dm
-        >>> ckpt = {f"l.{i}.attn.wq.weight": torch.zeros(2) for i in range(3)}
-        >>> ref = {f"l.{i}.attn.q_proj.weight": torch.zeros(2) for i in range(3)}
-        >>> [s] = dm.diff(ckpt, ref).renames
-        >>> s.pattern, s.replacement, s.params
-        ('\\.attn\\.wq\\.', '.attn.q_proj.', 3)
-    """
-
-    pattern: str
-    replacement: str
-    params: int
-    keys: int
-    example: tuple[str, str]
-    preset: str | None = None
-
-    def __str__(self) -> str:
-        preset = f" (preset {self.preset!r})" if self.preset else ""
-        return f"{self.pattern!r} -> {self.replacement!r}{preset}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the attributes."""
-        return {
-            "pattern": self.pattern,
-            "replacement": self.replacement,
-            "params": self.params,
-            "keys": self.keys,
-            "example": list(self.example),
-            "preset": self.preset,
-        }
 
 
 _SAMPLE = 2048  # unexpected fqns that vote for candidate rules

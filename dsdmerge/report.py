@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dsdmerge._text import dtype_name, short_repr
 from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
@@ -452,8 +453,6 @@ def _pattern_text(p: Pattern) -> str:
 
 
 def _meta(meta: TensorMeta) -> str:
-    from dsdmerge.diff import dtype_name
-
     return f"{dtype_name(meta.dtype)}{list(meta.shape)}"
 
 
@@ -672,8 +671,6 @@ def render(
 
 def _changed_groups(items: Iterable[Changed]) -> list[tuple[Pattern, str, str]]:
     """Changed values grouped by their pair of values (as text), keys compressed per group."""
-    from dsdmerge._values import short_repr
-
     groups: dict[tuple[str, str], list[str]] = {}
     for c in items:
         groups.setdefault((short_repr(c.checkpoint), short_repr(c.reference)), []).append(c.key)

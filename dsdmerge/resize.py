@@ -17,16 +17,12 @@ other value of a merge is still shared by identity.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
+from dsdmerge._records import Resized
 from dsdmerge.errors import StateDictTypeError
-
-if TYPE_CHECKING:
-    from dsdmerge.diff import Mismatch, TensorMeta
 
 __all__ = ["OnShapeMismatch", "Resized", "resize"]
 
@@ -36,84 +32,6 @@ OnShapeMismatch = Literal["raise", "take_reference", "resize"]
 (drop the checkpoint's tensor) or ``"resize"`` (keep its overlapping slice)."""
 
 SHAPE_CHOICES: tuple[OnShapeMismatch, ...] = ("raise", "take_reference", "resize")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Resized:
-    """A tensor a merge resized: which dims changed and how many elements came from where.
-
-    Attributes:
-        key: The flat key.
-        checkpoint: Shape and dtype of the checkpoint's tensor.
-        reference: Shape and dtype of the reference's tensor (the result's).
-
-    Example:
-        >>> import torch, dsdmerge as dm
-        >>> r = dm.Resized.of("embed.weight", torch.zeros(10, 4), torch.zeros(12, 4))
-        >>> r.dims, r.kept, r.from_reference
-        ((0,), 40, 8)
-        >>> str(r)
-        'embed.weight: dim 0 10 -> 12; 40 elements kept, 8 from the reference'
-    """
-
-    key: str
-    checkpoint: TensorMeta
-    reference: TensorMeta
-
-    @classmethod
-    def of(cls, key: str, checkpoint: Any, reference: Any) -> Resized:
-        """The record for two tensor-like values."""
-        from dsdmerge.diff import TensorMeta
-
-        return cls(key, TensorMeta.of(checkpoint), TensorMeta.of(reference))
-
-    @classmethod
-    def from_mismatch(cls, m: Mismatch) -> Resized:
-        """The record of a shape mismatch that was resized."""
-        return cls(m.key, m.checkpoint, m.reference)
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        """The dimensions whose size changed."""
-        return tuple(
-            i
-            for i, (c, r) in enumerate(
-                zip(self.checkpoint.shape, self.reference.shape, strict=True)
-            )
-            if c != r
-        )
-
-    @property
-    def kept(self) -> int:
-        """How many elements of the result are the checkpoint's (the overlap)."""
-        return math.prod(
-            min(c, r) for c, r in zip(self.checkpoint.shape, self.reference.shape, strict=True)
-        )
-
-    @property
-    def from_reference(self) -> int:
-        """How many elements of the result are the reference's."""
-        return math.prod(self.reference.shape) - self.kept
-
-    def __str__(self) -> str:
-        changes = ", ".join(
-            f"dim {i} {self.checkpoint.shape[i]} -> {self.reference.shape[i]}" for i in self.dims
-        )
-        return (
-            f"{self.key}: {changes}; {self.kept:,} elements kept, "
-            f"{self.from_reference:,} from the reference"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: key, both shapes and dtypes, dims, kept and from_reference."""
-        return {
-            "key": self.key,
-            "checkpoint": self.checkpoint.to_dict(),
-            "reference": self.reference.to_dict(),
-            "dims": list(self.dims),
-            "kept": self.kept,
-            "from_reference": self.from_reference,
-        }
 
 
 def why_not_resizable(checkpoint: Any, reference: Any) -> str | None:
