@@ -1,11 +1,11 @@
-"""Lossless conversion between nested and flat state dicts.
+"""Lossless conversion between nested and flat state dicts: the public verbs.
 
-:func:`flatten` spells optimizer state dicts exactly as torch's
-``_flatten_optim_state_dict`` does (``state.<fqn>.<name>`` and one
-``param_groups.<fqn>.<hyperparameter>`` per parameter) and every other nested
-mapping as dotted paths. :func:`unflatten` goes back, exactly when given the
-nested state dict to take the structure from (``like=``), and by the DSD rules
-otherwise.
+:func:`flatten` (defined in :mod:`dsdmerge._trees`, with the other tree walks)
+spells optimizer state dicts exactly as torch's ``_flatten_optim_state_dict`` does
+(``state.<fqn>.<name>`` and one ``param_groups.<fqn>.<hyperparameter>`` per
+parameter) and every other nested mapping as dotted paths. :func:`unflatten` goes
+back, exactly when given the nested state dict to take the structure from
+(``like=``), and by the DSD rules otherwise.
 
 Both walk their input with an explicit stack, so nesting depth is bounded by
 memory, not by Python's recursion limit, and both refuse cycles.
@@ -13,14 +13,16 @@ memory, not by Python's recursion limit, and both refuse cycles.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Mapping
 from functools import partial
-from itertools import chain, cycle, filterfalse, islice, repeat
+from itertools import chain, filterfalse, islice, repeat
 from operator import add, is_
 from typing import Any
 
+from dsdmerge._keys import require_str_keys
+from dsdmerge._trees import flatten
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
-from dsdmerge.errors import LayoutError, StateDictTypeError
+from dsdmerge.errors import LayoutError
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -30,6 +32,7 @@ from dsdmerge.layout import (
     Layout,
     check_not_mixed,
     classify,
+    group_items,
     is_optimizer_state_dict,
     layout_of,
     lists_param,
@@ -37,249 +40,9 @@ from dsdmerge.layout import (
     value_types,
 )
 
+# (flatten lives with the other tree walks in dsdmerge._trees, below the engine that needs
+# it; it is public here)
 __all__ = ["flatten", "unflatten"]
-
-
-class _Unique(dict[str, Any]):
-    """A dict that refuses to overwrite: used to name a collision once one is known."""
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key in self:
-            hint = (
-                " (a parameter listed in two param_groups?)"
-                if PG_PREFIX in key
-                else " (a key containing a dot, or an int and a str key with the same digits?)"
-            )
-            raise LayoutError(
-                f"two entries flatten to the same key {key!r}{hint}. Flattening would "
-                "silently overwrite one of them; rename the keys or keep this state dict nested."
-            )
-        super().__setitem__(key, value)
-
-    def update(self, pairs: Iterable[tuple[str, Any]], /) -> None:  # type: ignore[override]
-        """Item by item, so that :meth:`__setitem__` sees every key (dict.update would not)."""
-        for key, value in pairs:
-            self[key] = value
-
-
-def flatten(sd: Mapping[Any, Any], /) -> dict[str, Any]:
-    """Flatten a state dict to ``{flat_key: leaf}``.
-
-    Optimizer state dicts (a ``"state"`` mapping and a ``"param_groups"`` list)
-    flatten exactly as torch's ``_flatten_optim_state_dict`` does: one
-    ``state.<id>.<name>`` key per state value (nested state flattens further
-    with dots) and one ``param_groups.<id>.<hyperparameter>`` key per
-    parameter and hyperparameter; int ids become decimal strings. Other
-    mappings flatten to dotted paths. A flat state dict comes back as a new dict
-    with the same items. Does not modify its input; leaves are shared, never
-    copied.
-
-    Args:
-        sd: A nested or flat state dict.
-
-    Returns:
-        A new flat dict.
-
-    Raises:
-        StateDictTypeError: ``sd`` is not a mapping, or holds a key that is not
-            ``str`` or ``int``.
-        LayoutError: Two paths flatten to the same key, a structure is cyclic, or
-            an optimizer state dict is malformed.
-
-    Example:
-        >>> import dsdmerge as dm
-        >>> osd = {"state": {0: {"step": 3}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
-        >>> dm.flatten(osd)
-        {'state.0.step': 3, 'param_groups.0.lr': 0.1, 'param_groups.1.lr': 0.1}
-        >>> dm.flatten({"model": {"w": 1}, "epoch": 2})
-        {'model.w': 1, 'epoch': 2}
-    """
-    require_mapping(sd, "the state dict")
-    if classify(sd) is Layout.FLAT and set(map(type, sd)) <= {str}:
-        return dict(sd)
-    out: dict[str, Any] = {}
-    written = _flatten_into(out, sd, "")
-    if written != len(out):  # something was overwritten: run again, refusing overwrites
-        _flatten_into(_Unique(), sd, "")
-    return out
-
-
-def _flatten_into(out: dict[str, Any], root: Mapping[Any, Any], prefix: str) -> int:
-    """Write the leaves of ``root`` into ``out`` under ``prefix``; return how many were written."""
-    if is_optimizer_state_dict(root):
-        return _flatten_optimizer(out, root, prefix, {id(root)})
-    return _flatten_tree(out, root, prefix, {id(root)}, optimizers=True)
-
-
-def _flatten_tree(
-    out: dict[str, Any],
-    root: Mapping[Any, Any],
-    prefix: str,
-    on_path: set[int],
-    *,
-    optimizers: bool,
-) -> int:
-    """Flatten a generic mapping to dotted paths (iteratively, refusing cycles)."""
-    written = 0
-    stack: list[tuple[str, Any, Mapping[Any, Any]]] = [(prefix, iter(root.items()), root)]
-    while stack:
-        pfx, items, node = stack[-1]
-        for k, v in items:
-            key = pfx + (k if type(k) is str else key_str(k, pfx[:-1]))
-            if isinstance(v, Mapping):
-                if id(v) in on_path:
-                    raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
-                if optimizers and is_optimizer_state_dict(v):
-                    on_path.add(id(v))
-                    written += _flatten_optimizer(out, v, key + ".", on_path)
-                    on_path.discard(id(v))
-                    continue
-                on_path.add(id(v))
-                stack.append((key + ".", iter(v.items()), v))
-                break
-            out[key] = v
-            written += 1
-        else:
-            stack.pop()
-            if node is not root:
-                on_path.discard(id(node))
-    return written
-
-
-def _flatten_optimizer(
-    out: dict[str, Any], osd: Mapping[Any, Any], prefix: str, on_path: set[int]
-) -> int:
-    """Flatten one optimizer state dict the way torch's ``_flatten_optim_state_dict`` does."""
-    check_not_mixed(osd, prefix[:-1])
-    written = _flat_state(out, osd[STATE], prefix)
-    if written < 0:
-        written = _state_one_by_one(out, osd, prefix, on_path)
-    group_prefix = prefix + PG_PREFIX
-    for index, group in enumerate(osd[PARAM_GROUPS]):
-        where = f"{prefix}{PARAM_GROUPS}[{index}]"
-        hyper = _group_items(group, where)
-        params = group[PARAMS]
-        # (an f-string spells int and str ids as key_str does; key_str for the others, or raise:
-        # also in a group that writes no keys, as unflatten, diff and merge refuse them there)
-        spelled = params
-        if not set(map(type, params)) <= {int, str}:
-            spelled = [key_str(pid, where) for pid in params]
-        if not hyper or not params:
-            continue
-        # one key per parameter and hyperparameter, parameter by parameter, as torch
-        # (a block of keys at a time: each key is hashed into ``out`` while still in cache)
-        names, values = zip(*hyper, strict=True)
-        for start in range(0, len(spelled), _BLOCK):
-            bases = [f"{group_prefix}{s}." for s in spelled[start : start + _BLOCK]]
-            out.update(zip([base + name for base in bases for name in names], cycle(values)))
-        written += len(params) * len(hyper)
-    # keys an optimizer keeps beside state and param_groups: dotted paths, like any mapping
-    for k, v in osd.items():
-        if k in (STATE, PARAM_GROUPS):
-            continue
-        key = prefix + (k if type(k) is str else key_str(k, prefix[:-1]))
-        if isinstance(v, Mapping):
-            if id(v) in on_path:
-                raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
-            on_path.add(id(v))
-            # inside an optimizer, a mapping is a plain mapping (as merge, diff, unflatten see it)
-            written += _flatten_tree(out, v, key + ".", on_path, optimizers=False)
-            on_path.discard(id(v))
-        else:
-            out[key] = v
-            written += 1
-    return written
-
-
-_BLOCK = 1024  # parameters whose keys are made and inserted at a time
-
-
-def _flat_state(out: dict[str, Any], state: Mapping[Any, Any], prefix: str) -> int:
-    """Write the ``state.*`` keys in C-level passes; -1 (having written nothing) if unusual.
-
-    Usual: param ids are str or int, every entry is a dict with str state names, and
-    no state value is a mapping. Anything else goes :func:`_state_one_by_one`.
-    """
-    entries = list(state.values())
-    if not entries:
-        return 0
-    if (
-        not set(map(type, state)) <= {int, str}
-        or set(map(type, entries)) != {dict}
-        or set(map(type, chain.from_iterable(entries))) != {str}
-        or any(
-            issubclass(tp, Mapping)
-            for tp in set(map(type, chain.from_iterable(map(dict.values, entries))))
-        )
-    ):
-        return -1
-    state_prefix = prefix + STATE_PREFIX
-    pids = list(state)
-    for start in range(0, len(pids), _BLOCK):
-        block = entries[start : start + _BLOCK]
-        keys = [
-            f"{state_prefix}{pid}.{name}"
-            for pid, entry in zip(pids[start : start + _BLOCK], block, strict=True)
-            for name in entry
-        ]
-        out.update(zip(keys, chain.from_iterable(map(dict.values, block))))  # noqa: B905
-    return sum(map(len, entries))
-
-
-def _state_one_by_one(
-    out: dict[str, Any], osd: Mapping[Any, Any], prefix: str, on_path: set[int]
-) -> int:
-    """The ``state.*`` keys of one optimizer, any entry shape (nested state, odd types)."""
-    state = osd[STATE]
-    written = 0
-    state_prefix = prefix + STATE_PREFIX
-    for pid, entry in state.items():
-        pkey = state_prefix + key_str(pid, prefix + STATE) + "."
-        if not isinstance(entry, Mapping):  # an optimizer-level entry (MADGRAD's state['k'])
-            if lists_param(osd, pid):
-                raise LayoutError(
-                    f"{pkey[:-1]!r}: the optimizer state of a parameter must be a mapping of "
-                    f"state names to values, got {type(entry).__name__}"
-                )
-            out[pkey[:-1]] = entry
-            written += 1
-            continue
-        for name, v in entry.items():
-            key = pkey + (name if type(name) is str else key_str(name, pkey[:-1]))
-            if isinstance(v, Mapping):  # nested state (Shampoo-like): dotted paths, as torch
-                if id(v) in on_path:
-                    raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
-                on_path.add(id(v))
-                written += _flatten_tree(out, v, key + ".", on_path, optimizers=False)
-                on_path.discard(id(v))
-            else:
-                out[key] = v
-                written += 1
-    return written
-
-
-def _group_items(group: object, where: str) -> list[tuple[str, Any]]:
-    """Validate one param group and return its ``(hyperparameter, value)`` pairs."""
-    if not isinstance(group, Mapping) or not isinstance(group.get(PARAMS), (list, tuple)):
-        raise LayoutError(
-            f"{where} must be a mapping with a 'params' list, got "
-            f"{type(group).__name__ if not isinstance(group, Mapping) else 'a mapping without one'}"
-        )
-    items = []
-    for name, v in group.items():
-        if name == PARAMS:
-            continue
-        if type(name) is not str:
-            raise StateDictTypeError(
-                f"{where}: hyperparameter name {short_repr(name)} is not a str"
-            )
-        if isinstance(v, Mapping):
-            raise LayoutError(
-                f"{where}[{name!r}] is a mapping; torch's flattened format holds one "
-                "value per hyperparameter and cannot spell it."
-            )
-        items.append((name, v))
-    return items
 
 
 # --------------------------------------------------------------------------------------
@@ -358,16 +121,6 @@ def require_flat(
         )
     require_str_keys(mapping, what, set(map(type, mapping)))
     return mapping
-
-
-def require_str_keys(mapping: Mapping[Any, Any], what: str, key_types: set[type]) -> None:
-    """Raise unless ``key_types`` (the types of the keys of ``mapping``) is just ``str``."""
-    if key_types - {str}:
-        bad = next(k for k in mapping if type(k) is not str)
-        raise StateDictTypeError(
-            f"{what}: flat state dict keys must be str, got {short_repr(bad)} "
-            f"({type(bad).__name__})"
-        )
 
 
 def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
@@ -564,7 +317,7 @@ class _Unflattener:
         group_prefix = prefix + PG_PREFIX
         for index, like_group in enumerate(like[PARAM_GROUPS]):
             where = f"{prefix}{PARAM_GROUPS}[{index}]"
-            _group_items(like_group, where)
+            group_items(like_group, where)
             params = like_group[PARAMS]
             if set(map(type, params)) <= {int, str}:  # an f-string spells them as key_str
                 spelled_params = list(map(str, params))

@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from dsdmerge._text import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 
 __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
@@ -166,3 +167,32 @@ def lists_param(osd: Mapping[Any, Any], pid: Any) -> bool:
         ):
             return True
     return False
+
+
+def group_items(group: object, where: str) -> list[tuple[str, Any]]:
+    """Validate one param group and return its ``(hyperparameter, value)`` pairs.
+
+    A param group is a mapping with a ``params`` list (or tuple) of param ids; its
+    other entries are hyperparameters, named by str, whose values are leaves (torch's
+    flattened format holds one value per hyperparameter and cannot spell a mapping).
+    """
+    if not isinstance(group, Mapping) or not isinstance(group.get(PARAMS), (list, tuple)):
+        raise LayoutError(
+            f"{where} must be a mapping with a 'params' list, got "
+            f"{type(group).__name__ if not isinstance(group, Mapping) else 'a mapping without one'}"
+        )
+    items = []
+    for name, v in group.items():
+        if name == PARAMS:
+            continue
+        if type(name) is not str:
+            raise StateDictTypeError(
+                f"{where}: hyperparameter name {short_repr(name)} is not a str"
+            )
+        if isinstance(v, Mapping):
+            raise LayoutError(
+                f"{where}[{name!r}] is a mapping; torch's flattened format holds one "
+                "value per hyperparameter and cannot spell it."
+            )
+        items.append((name, v))
+    return items

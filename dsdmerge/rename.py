@@ -43,6 +43,7 @@ from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._records import SuggestedRename
+from dsdmerge._trees import copy_tree as copy_acyclic
 from dsdmerge._values import is_tensor_like, shape_dtype, short_repr
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameError
 from dsdmerge.layout import (
@@ -363,8 +364,6 @@ def _copy(sd: Mapping[Any, Any]) -> dict[Any, Any]:
 
 def copy_tree(value: Any, where: str) -> Any:
     """New mappings (and optimizers' group lists), shared leaves; a cycle is a LayoutError."""
-    from dsdmerge._engine import copy_tree as copy_acyclic
-
     if not isinstance(value, Mapping):
         return value
     on_path = {id(value)}

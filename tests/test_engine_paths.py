@@ -358,10 +358,10 @@ def _orders(sd: dict) -> dict[str, dict]:
 
 @pytest.mark.parametrize("policy", ["default", "warn"])
 def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
-    from dsdmerge import _engine
+    from dsdmerge import _groups, _table
 
     paths: list[str] = []
-    shaped, by_key = _engine._PgTable._shaped.__func__, _engine._group_hyperparameters
+    shaped, by_key = _table.PgTable._shaped.__func__, _groups._resolve_by_keys
 
     def spy_shaped(cls, picked, *args):
         table = shaped(cls, picked, *args)
@@ -372,8 +372,8 @@ def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
         paths.append("key by key")
         return by_key(*args, **kwargs)
 
-    monkeypatch.setattr(_engine._PgTable, "_shaped", classmethod(spy_shaped))
-    monkeypatch.setattr(_engine, "_group_hyperparameters", spy_by_key)
+    monkeypatch.setattr(_table.PgTable, "_shaped", classmethod(spy_shaped))
+    monkeypatch.setattr(_groups, "_resolve_by_keys", spy_by_key)
 
     # "new" has no keys in the checkpoint; "a" and "b" are in one reference group but disagree
     fresh = {"lr": 1e-3, "weight_decay": 0.1}

@@ -44,7 +44,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dsdmerge._engine import copy_tree, run
+from dsdmerge._engine import run
+from dsdmerge._trees import copy_tree
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten

@@ -1,0 +1,139 @@
+"""Tensor checks: which value pairs differ in shape or dtype (the hot loop of every merge).
+
+What it means, before how: a pair of values *mismatches* when both are tensor-like
+(their classes define ``shape`` and ``dtype``: torch tensors, parameters, DTensors,
+meta tensors, :class:`~dsdmerge.TensorMeta`, NumPy arrays), they are not the same
+object, and their shapes or dtypes differ; a pair whose shapes cannot be compared
+mismatches. Scalars never mismatch. A mismatch is reported as a
+:class:`~dsdmerge.Mismatch` naming the key (a value that only looks tensor-like is a
+:class:`~dsdmerge.StateDictTypeError` naming it).
+
+How: one C-level type pass over each side's values (:func:`scan`), type checks once
+per distinct type, and, when every compared value is a torch tensor, all pairs
+compared at once with ``map(ne, map(attrgetter("shape", "dtype"), ...))`` (the
+attribute fetches are most of the cost: ``.shape`` builds a new ``torch.Size``).
+Tensors whose ``.shape`` raises are compared pair by pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import compress
+from operator import and_, attrgetter, ne
+from typing import Any
+
+import torch
+
+from dsdmerge._records import Mismatch, TensorMeta
+from dsdmerge._values import KNOWN_LEAF_TYPES, leaf_codes, tensor_like
+from dsdmerge.errors import StateDictTypeError
+from dsdmerge.layout import value_types
+
+__all__ = ["KNOWN_TENSOR_TYPES", "differs", "meta", "mismatched", "mismatches", "scan"]
+
+
+KNOWN_TENSOR_TYPES = tensor_like(KNOWN_LEAF_TYPES)
+
+
+def scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
+    """``(codes, types)``: :func:`leaf_codes` of the values, and their types (or a superset)."""
+    codes = leaf_codes(sd.values())
+    if codes is not None:
+        return codes, KNOWN_LEAF_TYPES
+    return None, value_types(sd)
+
+
+def meta(value: Any, key: str) -> TensorMeta:
+    """The :class:`TensorMeta` of a tensor-like value at ``key`` (a bad one is refused, named)."""
+    try:
+        return TensorMeta.of(value)
+    except StateDictTypeError as err:  # a value that only looks tensor-like: name its key
+        raise StateDictTypeError(f"{key!r}: {err}") from None
+
+
+def differs(c: Any, r: Any) -> bool:
+    """Whether two tensor-like values differ in shape or dtype."""
+    try:
+        return bool(c.shape != r.shape or c.dtype != r.dtype)
+    except Exception:  # e.g. a NumPy dtype compared with a torch dtype  # noqa: BLE001
+        return True
+
+
+def _torch_types(types: Iterable[type]) -> bool:
+    return all(issubclass(tp, torch.Tensor) for tp in types)
+
+
+# ``(value.shape, value.dtype)`` in one C-level call: with ``map`` the pairs are compared
+# without a Python frame per tensor (``.shape`` builds a new torch.Size every time, so the
+# attribute fetches are most of the cost of a tensor check).
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+
+
+def mismatched(
+    c_vals: list[Any],
+    r_vals: list[Any],
+    c_seen: Iterable[type] | None = None,
+    r_seen: Iterable[type] | None = None,
+) -> list[int]:
+    """Positions where both values are tensor-like, not one object, and differ in shape or dtype.
+
+    ``c_vals`` and ``r_vals`` are aligned (same length); ``c_seen`` and ``r_seen``, when
+    given, are the types in them (or supersets). Type checks run once per distinct
+    type; the comparisons run in C when every compared value is a torch tensor.
+    """
+    c_seen = set(map(type, c_vals)) if c_seen is None else set(c_seen)
+    r_seen = set(map(type, r_vals)) if r_seen is None else set(r_seen)
+    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
+    if not c_tt or not r_tt:
+        return []
+    positions: Iterable[int] = range(len(c_vals))
+    if len(c_tt) < len(c_seen) or len(r_tt) < len(r_seen):  # keep the tensor pairs only
+        keep = bytes(
+            map(
+                and_,
+                map(c_tt.__contains__, map(type, c_vals)),
+                map(r_tt.__contains__, map(type, r_vals)),
+            )
+        )
+        positions = list(compress(positions, keep))
+        c_vals = list(compress(c_vals, keep))
+        r_vals = list(compress(r_vals, keep))
+    if _torch_types(c_tt) and _torch_types(r_tt):
+        # identical objects compare equal, so they need no filtering
+        try:
+            differ = list(map(ne, map(_SHAPE_DTYPE, c_vals), map(_SHAPE_DTYPE, r_vals)))
+        except Exception:  # a tensor whose .shape raises (nested): pair by pair below  # noqa: BLE001
+            pass
+        else:
+            return list(compress(positions, differ))
+    return [
+        i
+        for i, cv, rv in zip(positions, c_vals, r_vals, strict=True)
+        if cv is not rv and differs(cv, rv)
+    ]
+
+
+def mismatches(
+    r: Mapping[str, Any],
+    picked: bytes,
+    u_vals: list[Any],
+    r_vals: list[Any],
+    r_tensor_types: frozenset[type],
+    key_prefix: str,
+) -> list[Mismatch]:
+    """The :class:`Mismatch` records of tensor pairs taken from ``r``'s tensor positions.
+
+    ``picked`` has a 1 per tensor-like value of ``r``; ``u_vals`` and ``r_vals`` are the
+    two sides' values at those positions (``u_vals``: the checkpoint's, or the
+    reference's own where the checkpoint lacks the key). Keys are named with
+    ``key_prefix`` in errors.
+    """
+    bad = mismatched(u_vals, r_vals, None, r_tensor_types)
+    if not bad:
+        return []
+    r_keys = list(compress(r, picked))
+    out = []
+    for i in bad:
+        where = key_prefix + r_keys[i]
+        out.append(Mismatch(r_keys[i], meta(u_vals[i], where), meta(r_vals[i], where)))
+    return out
