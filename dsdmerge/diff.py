@@ -7,18 +7,23 @@ readable ``str()``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from itertools import compress
-from typing import TYPE_CHECKING, Any
+from operator import eq, is_not
+from typing import Any
+
+from dsdmerge._engine import run
 
 # The records live in dsdmerge._records, below the code that produces them; this module
 # re-exports them (and dtype_name, which integrations.checkpoints takes from here).
 from dsdmerge._records import Changed, KeyDiff, Mismatch, SuggestedRename, TensorMeta
 from dsdmerge._text import dtype_name as dtype_name
-from dsdmerge.errors import DSDMergeError
-
-if TYPE_CHECKING:
-    from dsdmerge.rename import Rules
+from dsdmerge._trees import flatten
+from dsdmerge._values import is_tensor_like, same_value
+from dsdmerge.errors import DSDMergeError, DSDMergeWarning
+from dsdmerge.layout import Layout, classify
+from dsdmerge.rename import Rules, rename_checkpoint, suggest_renames
 
 __all__ = ["Changed", "KeyDiff", "Mismatch", "TensorMeta", "diff"]
 
@@ -67,17 +72,9 @@ def diff(
         >>> d.missing, d.unexpected, d.mismatched
         (('head',), ('old',), ())
     """
-    from dsdmerge._engine import run
-
     if rename is not None:
-        from dsdmerge.rename import rename_checkpoint
-
         checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
         if unmatched:
-            import warnings
-
-            from dsdmerge.errors import DSDMergeWarning
-
             warnings.warn(DSDMergeWarning(f"dsdmerge: {unmatched}"), stacklevel=2)
     outcome = run(checkpoint, reference, merge=False)
     changed = changed_values(checkpoint, reference) if values else ()
@@ -101,11 +98,6 @@ def changed_values(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]) 
     values a metadata-only view did not read (any object whose class sets
     ``__dsdmerge_unread__``), are not compared.
     """
-    from operator import eq, is_not
-
-    from dsdmerge._values import is_tensor_like, same_value
-    from dsdmerge.flatten import flatten
-
     c = (
         flatten(checkpoint)
         if any(isinstance(v, Mapping) for v in checkpoint.values())
@@ -151,10 +143,6 @@ def suggest(
     """The :attr:`KeyDiff.renames` for these differences (best effort: ``()`` when unsure)."""
     if not missing or not unexpected:
         return ()
-    from dsdmerge.flatten import flatten
-    from dsdmerge.layout import Layout, classify
-    from dsdmerge.rename import suggest_renames
-
     try:
         c = checkpoint if classify(checkpoint) is Layout.FLAT else flatten(checkpoint)
         r = reference if classify(reference) is Layout.FLAT else flatten(reference)

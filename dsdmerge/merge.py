@@ -13,7 +13,7 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import run
 from dsdmerge._records import Outcome
@@ -32,11 +32,9 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
 )
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, matcher, resolve_policy
+from dsdmerge.rename import Rules, rename_checkpoint
 from dsdmerge.report import format_keys, format_mismatches, format_resized
 from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
-
-if TYPE_CHECKING:
-    from dsdmerge.rename import Rules
 
 __all__ = ["Fresh", "Merged", "check", "merge", "merge_with_diff"]
 
@@ -145,7 +143,7 @@ def merge(
         policy,
         allow_missing,
         allow_unexpected,
-        stacklevel=4,
+        stacklevel=3,
         rename=rename,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
@@ -194,7 +192,7 @@ def merge_with_diff(
         policy,
         allow_missing,
         allow_unexpected,
-        stacklevel=4,
+        stacklevel=3,
         rename=rename,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
@@ -249,7 +247,7 @@ def check(
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=True))
     renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
-    return _apply(
+    return apply_policy(
         outcome,
         pol,
         stacklevel=3,
@@ -272,27 +270,58 @@ def _merge(
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
-    if fresh not in ("reference", "as_fresh"):
-        raise InvalidPolicyError(
-            f"fresh must be 'reference' or 'as_fresh', got {short_repr(fresh)}"
-        )
+    """:func:`merge_resolved` after resolving the policy.
+
+    ``stacklevel``, here as everywhere in this module, is as for ``warnings.warn``
+    counted from the function that takes it (1: that function, 2: its caller).
+    """
+    _fresh_choice(fresh)
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    return merge_resolved(
+        checkpoint,
+        reference,
+        pol,
+        stacklevel=stacklevel + 1,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
+    )
+
+
+def merge_resolved(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    policy: Policy,
+    *,
+    stacklevel: int,
+    rename: Rules | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
+    fresh: Fresh = "reference",
+) -> Merged:
+    """:func:`merge_with_diff` under a resolved :class:`~dsdmerge.Policy`.
+
+    The engine's outcome, the policy applied to it (:func:`apply_policy`: raise or
+    warn), then what the policy let through done: reshaped tensors resized or taken
+    from the reference, fresh state left out with ``fresh="as_fresh"``, module
+    metadata carried. ``stacklevel`` is as for ``warnings.warn`` from this function.
+    """
+    _fresh_choice(fresh)
     shapes = _shape_choice(on_shape_mismatch)
-    checkpoint, extra = _renamed(checkpoint, rename, pol)
+    checkpoint, extra = _renamed(checkpoint, rename, policy)
     outcome = run(
         checkpoint,
         reference,
         merge=True,
-        keep_unexpected=not pol.drop_unexpected,
-        conflicts=pol.conflict != "ignore",
+        keep_unexpected=not policy.drop_unexpected,
+        conflicts=policy.conflict != "ignore",
     )
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=False))
     renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
-    diff, conflicts = _apply(
+    diff, conflicts = apply_policy(
         outcome,
-        pol,
-        stacklevel=stacklevel,
+        policy,
+        stacklevel=stacklevel + 1,
         extra=extra,
         on_shape_mismatch=shapes,
         renames=renames,
@@ -315,6 +344,13 @@ def _merge(
     if fresh == "as_fresh" and diff.missing:
         merged = _without_fresh_state(merged, checkpoint, diff.missing)
     return Merged(_with_metadata(merged, checkpoint, reference), diff, conflicts)
+
+
+def _fresh_choice(fresh: object) -> None:
+    if fresh not in ("reference", "as_fresh"):
+        raise InvalidPolicyError(
+            f"fresh must be 'reference' or 'as_fresh', got {short_repr(fresh)}"
+        )
 
 
 def _without_fresh_state(
@@ -457,8 +493,6 @@ def _renamed(
     """The checkpoint renamed by ``rules`` (if any), and the finding about unmatched rules."""
     if rules is None:
         return checkpoint, []
-    from dsdmerge.rename import rename_checkpoint
-
     out, unmatched = rename_checkpoint(checkpoint, rules)
     return out, ([(policy.unmatched_rename, unmatched)] if unmatched else [])
 
@@ -492,7 +526,7 @@ def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action,
     ]
 
 
-def _apply(
+def apply_policy(
     outcome: Outcome,
     policy: Policy,
     *,
@@ -502,7 +536,13 @@ def _apply(
     renames: tuple[Any, ...] = (),
     reference: Mapping[Any, Any] | None = None,
 ) -> tuple[KeyDiff, tuple[str, ...]]:
-    """Decide, per kind of difference, whether to stay quiet, warn or raise.
+    """Decide, per kind of difference, whether to stay quiet, warn or raise; the diff.
+
+    Raises :class:`~dsdmerge.MergeError` naming every difference the policy
+    rejects (and every problem the engine found: what torch would reject, what
+    cannot be told); else warns once per kind of difference the policy warns about
+    (``stacklevel`` as for ``warnings.warn`` from this function). Returns the
+    :class:`~dsdmerge.KeyDiff` and the conflict lines.
 
     ``extra``: more findings (unmatched rename rules, tensors that cannot be
     resized); ``renames``: the suggested renames, for the diff and the messages;

@@ -46,6 +46,7 @@ from dsdmerge._records import SuggestedRename
 from dsdmerge._trees import copy_tree as copy_acyclic
 from dsdmerge._values import is_tensor_like, shape_dtype, short_repr
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameError
+from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -580,8 +581,6 @@ class FlatKeys:
             self.fqn.update(zip(compress(st_heads, found), compress(rests, found)))  # noqa: B905
             self.before.update(zip(st_heads, repeat(st)))
             if 0 in found:  # nested state (Shampoo-like): split at the longest known fqn
-                from dsdmerge.flatten import split_param_key
-
                 longest = max(map(len, known), default=0)
                 for head, rest, ok in zip(st_heads, rests, found, strict=True):
                     if ok:
@@ -900,8 +899,6 @@ def _candidates_renamed(keys: list[str], renamer: Renamer) -> list[str] | None:
     known = {h[len(PG_PREFIX) :]: None for h in heads if h.startswith(PG_PREFIX)}
     longest = max(map(len, known), default=0)
     parts: list[tuple[str, str, str]] = []
-    from dsdmerge.flatten import split_param_key
-
     for key, head in zip(keys, heads, strict=True):
         section = PG_PREFIX if head.startswith(PG_PREFIX) else STATE_PREFIX
         rest = key[len(section) :]

@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dsdmerge._values import MISSING, short_repr
+from dsdmerge._core import MISSING, most_common, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
 
@@ -377,7 +377,7 @@ class Slots:
                 group = {k: v for k, v in saved.items() if k != PARAMS}
                 # what the optimizer keeps in its groups as it steps (AdamP's and heavyball's
                 # step counts) is expected of a parameter that still exists: torch keeps it
-                home = _home_group(c_group_of, group_keys)
+                home = most_common(list(map(c_group_of.get, group_keys)))
                 if home is not None:
                     for k, v in c_groups[home].items():
                         if k != PARAMS and k not in group:
@@ -495,19 +495,6 @@ def _union(checkpoint: Any, live: Any, depth: int) -> Any:
     for k, v in live.items():
         out[k] = _union(checkpoint[k], v, depth + 1) if k in checkpoint else v
     return out
-
-
-def _home_group(c_group_of: Mapping[Any, int], members: list[Any]) -> int | None:
-    """The checkpoint group most of ``members`` are in (the first on a tie)."""
-    counts: dict[int, int] = {}
-    for key in members:
-        at = c_group_of.get(key)
-        if at is not None:
-            counts[at] = counts.get(at, 0) + 1
-    if not counts:
-        return None
-    best = max(counts.values())
-    return next(i for i, n in counts.items() if n == best)
 
 
 def _template(c_state: Mapping[Any, Any], members: list[Any]) -> dict[Any, Any] | None:

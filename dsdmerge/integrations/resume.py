@@ -44,13 +44,13 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dsdmerge._engine import run
-from dsdmerge._trees import copy_tree
+from dsdmerge._core import copy_tree, merge_under, reshaped, verdict
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
 from dsdmerge.integrations._optim import (
     Slots,
+    _inner,
     init_state,
     leaf_optimizers,
     uses_fsdp1,
@@ -65,8 +65,9 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     require_mapping,
 )
-from dsdmerge.merge import Fresh, _apply, _merge, reshaped
+from dsdmerge.merge import Fresh
 from dsdmerge.policy import InvalidPolicyError, Policy, resolve_policy
+from dsdmerge.rekey import rekey
 from dsdmerge.rename import rename as dm_rename
 from dsdmerge.resize import OnShapeMismatch
 
@@ -179,7 +180,7 @@ def resume_optimizer(
         allow_missing,
         allow_unexpected,
         fresh,
-        stacklevel=5,
+        stacklevel=3,
         rename=rename,
         on_shape_mismatch=on_shape_mismatch,
     )
@@ -256,8 +257,6 @@ def backfill_optimizer_state(
         >>> optim.param_groups[0]["lr"], sorted(optim.state_dict()["state"])
         (0.5, [0])
     """
-    from dsdmerge.integrations._optim import _inner
-
     container = _inner(optimizer) is not None
     if container and fresh == "as_fresh":
         raise InvalidPolicyError(
@@ -274,7 +273,7 @@ def backfill_optimizer_state(
         allow_missing,
         allow_unexpected,
         fresh,
-        stacklevel=5,
+        stacklevel=3,
         rename=rename,
         on_shape_mismatch=on_shape_mismatch,
     )
@@ -308,7 +307,7 @@ def _plan(
     allow_unexpected: str | Iterable[str],
     fresh: str,
     *,
-    stacklevel: int,
+    stacklevel: int,  # as for warnings.warn, counted from here (1: _plan)
     rename: Rules | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> _Plan:
@@ -356,14 +355,8 @@ def _plan(
     # every state field must be known to resize it (a grown embedding's moments)
     init = init_state(slots) if fresh == "reference" or on_shape_mismatch != "raise" else None
     reference = _without_param_names(slots.reference(checkpoint, init=init))
-    merged = _merge(
-        checkpoint,
-        reference,
-        pol,
-        (),
-        (),
-        stacklevel=stacklevel,
-        on_shape_mismatch=on_shape_mismatch,
+    merged = merge_under(
+        checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
     )
     state = merged.state_dict
     keep: set[Any] | None = None
@@ -501,8 +494,6 @@ def _fqn_keyed_by_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     """An int-keyed optimizer state dict keyed by the ``param_names`` torch saved, if any."""
     if not _has_param_names(osd):
         return dict(osd)
-    from dsdmerge.rekey import rekey
-
     return rekey(osd)
 
 
@@ -615,15 +606,8 @@ def resume_model(
     pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = dataclasses.replace(options or StateDictOptions(), strict=True)
     reference = get_model_state_dict(model, options=opts)
-    merged = _merge(
-        loaded,
-        reference,
-        pol,
-        (),
-        (),
-        stacklevel=4,
-        rename=rename,
-        on_shape_mismatch=on_shape_mismatch,
+    merged = merge_under(
+        loaded, reference, pol, stacklevel=2, rename=rename, on_shape_mismatch=on_shape_mismatch
     )
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
@@ -726,8 +710,7 @@ def load_dcp(
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
     expanded = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
     # the policy's verdict before any data is read (warnings point at our caller)
-    outcome = run(view, expanded, merge=False, conflicts=pol.conflict != "ignore")
-    diff = _apply(outcome, pol, stacklevel=3, reference=expanded)[0]
+    diff = verdict(view, expanded, pol, stacklevel=2)
     target = copy_tree(expanded)
     if diff.mismatched:
         shape = {m.key for m in diff.mismatched if reshaped(m)}
@@ -786,8 +769,6 @@ def _leaf_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
 def _prune_tensors(target: dict[str, Any], original: Mapping[str, Any], keys: set[str]) -> None:
     """Remove from ``target`` the leaves that are, in ``original``, the values of flat ``keys``."""
-    from dsdmerge.flatten import flatten
-
     flat = flatten(original)
     ids = {id(flat[k]) for k in keys if k in flat}
     for path, leaf in _leaf_paths(target):
