@@ -1,0 +1,177 @@
+"""The modules form layers: each imports only modules below it, and nothing dodges that.
+
+``LAYERS`` lists every module of the package from the bottom up. Two checks:
+
+* each module, imported in a fresh interpreter (a fork of one that has imported only
+  third-party packages) where every dsdmerge module above it is blocked, imports;
+* no import statement anywhere in a module (at the top or inside a function: a
+  lazy import that dodges a cycle) names a module above it. Imports under
+  ``if TYPE_CHECKING:`` are annotations, not dependencies, and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dsdmerge"
+
+LAYERS = [
+    # foundations: errors, text, leaf values, policies, layouts, report text
+    "dsdmerge.errors",
+    "dsdmerge._text",
+    "dsdmerge._values",
+    "dsdmerge.policy",
+    "dsdmerge.layout",
+    "dsdmerge.report",
+    # the records everything below the verbs produces
+    "dsdmerge._records",
+    # the engine, one module per concept
+    "dsdmerge._trees",
+    "dsdmerge._table",
+    "dsdmerge._keys",
+    "dsdmerge._tensors",
+    "dsdmerge._groups",
+    "dsdmerge._flat",
+    "dsdmerge._nested",
+    "dsdmerge._engine",
+    # the public verbs
+    "dsdmerge.flatten",
+    "dsdmerge.rename",
+    "dsdmerge.resize",
+    "dsdmerge.rekey",
+    "dsdmerge.diff",
+    "dsdmerge.merge",
+    "dsdmerge.strategies",
+    # what the integrations may use of the core
+    "dsdmerge._core",
+    # integrations
+    "dsdmerge.integrations._dcp_metadata",
+    "dsdmerge.integrations._optim",
+    "dsdmerge.integrations.checkpoints",
+    "dsdmerge.integrations.resume",
+    "dsdmerge.integrations",
+    # the package, the demo, the command line
+    "dsdmerge",
+    "dsdmerge.demo",
+    "dsdmerge.cli",
+    "dsdmerge.__main__",
+]
+
+# importing it runs the command line
+NOT_IMPORTED = {"dsdmerge.__main__"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
+    """``(module, line)`` per dsdmerge module an import statement names (not TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "dsdmerge"]
+            found += [(name, node.lineno) for name in names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "dsdmerge":
+                continue
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            named = [s for s in subs if s in modules]  # `from pkg import submodule`
+            if len(named) < len(subs):  # some names are attributes of the module itself
+                found.append((node.module, node.lineno))
+            found += [(s, node.lineno) for s in named]
+    return found
+
+
+def test_the_layers_list_every_module_once():
+    modules = _modules()
+    assert len(LAYERS) == len(set(LAYERS))
+    unknown = sorted(set(modules) - set(LAYERS))
+    assert not unknown, f"place these modules in LAYERS (above everything they import): {unknown}"
+    assert not set(LAYERS) - set(modules)
+
+
+def test_no_import_statement_names_a_module_above_it():
+    modules = _modules()
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = []
+    for name, path in modules.items():
+        for target, line in _imports(path, set(modules)):
+            if target != name and rank[target] > rank[name]:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not upward, "imports that reach up the layers:\n" + "\n".join(upward)
+
+
+_CHILD = r"""
+import importlib, importlib.abc, json, os, sys, types
+
+layers, skip, package = json.loads(sys.argv[1])
+import torch, numpy, optree, hypothesis  # third-party packages: imported once, before forking
+
+failures = {}
+for i, module in enumerate(layers):
+    if module in skip:
+        continue
+    allowed = set(layers[: i + 1])
+    pid = os.fork()
+    if pid == 0:
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, fullname, path, target=None):
+                if fullname.split(".")[0] == "dsdmerge" and fullname not in allowed:
+                    raise ImportError(f"{fullname} is above {module} in the layers")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        # a package below this module is imported for real; one above it is a bare namespace,
+        # so that importing a submodule does not run the package's own imports
+        packages = (("dsdmerge", package), ("dsdmerge.integrations", package + "/integrations"))
+        for pkg, where in packages:
+            if pkg not in allowed:
+                stub = types.ModuleType(pkg)
+                stub.__path__ = [where]
+                sys.modules[pkg] = stub
+        try:
+            importlib.import_module(module)
+        except BaseException as err:
+            sys.stderr.write(f"{module}: {type(err).__name__}: {err}\n")
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failures[module] = status
+print(json.dumps(sorted(failures)))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uses os.fork")
+def test_each_module_imports_with_only_the_modules_below_it():
+    args = json.dumps([LAYERS, sorted(NOT_IMPORTED), str(PACKAGE)])
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failed, done.stderr
