@@ -1,4 +1,4 @@
-"""The fast paths of the engine against a plain, obviously correct model of diff and merge.
+"""The fast paths of the engine against the plain definition of diff and merge (_semantics).
 
 The engine finds key differences from the union ``{**reference, **checkpoint}`` and value
 identity, compares tensors in C-level passes, and takes shortcuts for common value types;
@@ -17,8 +17,10 @@ import torch
 from conftest import Snapshot
 from hypothesis import given
 from hypothesis import strategies as st
+from semantics_check import assert_same_outcome
 
 import dsdmerge as dm
+from dsdmerge import _semantics
 from dsdmerge.merge import reshaped
 
 MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore")
@@ -26,32 +28,11 @@ MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore")
 SHARED = [torch.zeros(2), torch.zeros(3), torch.zeros(2, dtype=torch.float16), True, None, 0.5]
 
 
-def _tensor_like(value: object) -> bool:
-    tp = type(value)
-    return hasattr(tp, "shape") and hasattr(tp, "dtype")
-
-
-def _differs(c: object, r: object) -> bool:
-    try:
-        return bool(c.shape != r.shape or c.dtype != r.dtype)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
-        return True
-
-
 def model(c: dict, r: dict) -> tuple[list[str], list[str], list[str]]:
-    """missing (reference order), unexpected (checkpoint order), mismatched (reference order)."""
-    missing = [k for k in r if k not in c]
-    unexpected = [k for k in c if k not in r]
-    mismatched = [
-        k
-        for k, rv in r.items()
-        if k in c
-        and c[k] is not rv
-        and _tensor_like(c[k])
-        and _tensor_like(rv)
-        and _differs(c[k], rv)
-    ]
-    return missing, unexpected, mismatched
+    """missing (reference order), unexpected (checkpoint order), mismatched (reference order):
+    the plain definition of dsdmerge._semantics."""
+    plain = _semantics.flat(c, r, merge=False)
+    return plain.missing, plain.unexpected, [m.key for m in plain.mismatches]
 
 
 values = st.one_of(
@@ -94,6 +75,11 @@ def flat_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
     for k in draw(st.lists(keys, max_size=4)):
         c.setdefault(k, draw(values))
     return c, r
+
+
+@given(flat_pairs(), st.booleans(), st.booleans(), st.booleans())
+def test_the_engine_equals_the_semantics_on_shared_and_odd_values(pair, merge, keep, conflicts):
+    assert_same_outcome(*pair, merge=merge, keep_unexpected=keep, conflicts=conflicts)
 
 
 @given(flat_pairs())

@@ -40,6 +40,7 @@ LAYERS = [
     "dsdmerge._flat",
     "dsdmerge._nested",
     "dsdmerge._engine",
+    "dsdmerge._semantics",
     # the public verbs
     "dsdmerge.flatten",
     "dsdmerge.rename",

@@ -1,0 +1,418 @@
+"""What diff and merge compute, defined plainly: the spine every fast path must equal.
+
+:func:`outcome` gives, for valid inputs, exactly the
+:class:`~dsdmerge._records.Outcome` that :func:`dsdmerge._engine.run` gives (the
+property tests in ``tests/test_semantics.py`` check that on the strategies of
+:mod:`dsdmerge.strategies`), written key by key and parameter by parameter, with
+no batching, no C-level passes, no shortcuts. It is slow on purpose. Refusals of
+malformed input (cycles, bad key types, mixed layouts) are the engine's; this
+module assumes well-formed state dicts.
+
+Flat state dicts (``checkpoint`` and ``reference`` both flat, or a flat checkpoint
+over a nested reference, which is flattened first):
+
+1. *missing* keys are the reference's keys the checkpoint lacks, in the
+   reference's order; *unexpected* keys the checkpoint's keys the reference lacks,
+   in the checkpoint's order.
+2. A key both sides have whose two values are tensor-like, distinct objects and
+   differ in shape or dtype is *mismatched* (in the reference's order).
+3. The merged dict is the checkpoint's items in its order (unexpected ones only
+   when kept), then each missing key with the reference's value.
+4. Then the param-group rules of :mod:`dsdmerge._groups`, per flattened
+   optimizer (the top level, and each prefix ``P`` of a key
+   ``P + "param_groups." + ...`` that is missing, or, when looking for conflicts,
+   that the checkpoint has): a missing ``param_groups.<fqn>.<hp>`` key takes the
+   value its group's checkpoint members hold (see :func:`dsdmerge._groups.backfill`);
+   members of a group whose checkpoint values disagree are conflicts.
+
+Nested state dicts (both nested): the reference drives a recursive walk
+(:func:`_tree`): a key only the reference has is backfilled (its flat keys
+missing), a leaf both have is the checkpoint's (tensors checked), a pair of flat
+sub-dicts is merged as above under its path, an optimizer state dict merges its
+per-parameter state entry by entry and its param groups by
+:func:`dsdmerge._groups.merge_groups`; a second walk, driven by the checkpoint,
+finds the unexpected keys and keeps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from dsdmerge._groups import (
+    DISAGREE,
+    NESTED_PG,
+    ambiguous,
+    conflict,
+    group_prefix,
+    group_value,
+    majority,
+    merge_groups,
+)
+from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
+from dsdmerge._tensors import differs
+from dsdmerge._trees import copy_tree, flat_keys, flatten
+from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value
+from dsdmerge.errors import LayoutError
+from dsdmerge.layout import (
+    PARAM_GROUPS,
+    PARAMS,
+    PG_PREFIX,
+    STATE,
+    STATE_PREFIX,
+    Layout,
+    classify,
+    is_optimizer_state_dict,
+)
+
+__all__ = ["outcome"]
+
+
+def outcome(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    *,
+    merge: bool,
+    keep_unexpected: bool = True,
+    conflicts: bool = False,
+) -> Outcome:
+    """The :class:`~dsdmerge._records.Outcome` :func:`dsdmerge._engine.run` must give.
+
+    Does not modify its inputs.
+    """
+    c_nested = classify(checkpoint) is Layout.NESTED
+    r_nested = classify(reference) is Layout.NESTED
+    if c_nested and r_nested:
+        walk = _Walk(keep_unexpected, conflicts)
+        merged = walk.merge(checkpoint, reference)
+        return Outcome(
+            merged if merge else None,
+            walk.missing,
+            walk.unexpected,
+            walk.mismatches,
+            walk.conflicts,
+            walk.problems,
+            walk.slots,
+        )
+    if c_nested and merge:
+        raise LayoutError("the checkpoint is nested but the reference is flat")
+    groups = None
+    if r_nested and is_optimizer_state_dict(reference):
+        groups = [[key_str(pid, "") for pid in g[PARAMS]] for g in reference[PARAM_GROUPS]]
+    return flat(
+        flatten(checkpoint),
+        flatten(reference),
+        merge=merge,
+        keep_unexpected=keep_unexpected,
+        conflicts=conflicts,
+        groups=groups,
+    )
+
+
+def _tensor_pair(cv: Any, rv: Any) -> bool:
+    return is_tensor_like(type(cv)) and is_tensor_like(type(rv))
+
+
+def _mismatch(key: str, cv: Any, rv: Any) -> Mismatch:
+    return Mismatch(key, TensorMeta.of(cv), TensorMeta.of(rv))
+
+
+# --------------------------------------------------------------------------------------
+# flat
+
+
+def flat(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    *,
+    merge: bool,
+    keep_unexpected: bool = True,
+    conflicts: bool = False,
+    groups: list[list[str]] | None = None,
+    key_prefix: str = "",
+) -> Outcome:
+    """Two flat state dicts, key by key (rules 1 to 4 of the module docstring)."""
+    missing = [k for k in r if k not in c]
+    unexpected = [k for k in c if k not in r]
+    mismatches = []
+    for k, rv in r.items():
+        if k in c and c[k] is not rv and _tensor_pair(c[k], rv) and differs(c[k], rv):
+            mismatches.append(_mismatch(k, c[k], rv))
+    merged = None
+    if merge:
+        merged = {k: v for k, v in c.items() if keep_unexpected or k in r}
+        for k in missing:
+            merged[k] = r[k]
+    out = Outcome(merged, missing, unexpected, mismatches)
+    if merged is not None:
+        for m in mismatches:
+            out.take_reference[m.key] = Slot(partial(merged.__setitem__, m.key), c[m.key], r[m.key])
+    # rule 4: the top level's param groups (given when the reference was nested), then each
+    # flattened optimizer under a prefix (inferred), in order of first appearance
+    prefixes = [group_prefix(k) for k in missing if NESTED_PG in k]
+    if conflicts:
+        prefixes += [group_prefix(k) for k in c if NESTED_PG in k]
+    sections: list[tuple[str, list[list[str]] | None]] = [("", groups)]
+    sections += [(p, None) for p in dict.fromkeys(prefixes) if p]
+    for prefix, given in sections:
+        n = len(prefix)
+        head = prefix + PG_PREFIX
+        sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
+        sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
+        backfilled = [k[n:] for k in missing if k.startswith(head)]
+        found = _param_groups(sub_c, sub_r, given, backfilled, conflicts=conflicts)
+        values, conflict_lines, problems = found
+        if merged is not None:
+            merged.update((prefix + k, v) for k, v in values.items())
+        where = f"{prefix[:-1]!r}: " if prefix else ""
+        out.conflicts += [where + line for line in conflict_lines]
+        out.problems += [where + line for line in problems]
+    if key_prefix:  # a flat sub-dict of a nested walk names its keys by its path
+        out.missing = [key_prefix + k for k in out.missing]
+        out.unexpected = [key_prefix + k for k in out.unexpected]
+        out.mismatches = [
+            Mismatch(key_prefix + m.key, m.checkpoint, m.reference) for m in out.mismatches
+        ]
+        out.take_reference = {key_prefix + k: s for k, s in out.take_reference.items()}
+    return out
+
+
+def _param_groups(
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    given: list[list[str]] | None,
+    backfilled: list[str],
+    *,
+    conflicts: bool,
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """``(backfilled values, conflicts, problems)`` for one optimizer's ``param_groups.*`` keys."""
+    rows: dict[str, dict[str, str]] = {}  # fqn -> {hyperparameter: key}, in key order
+    for key in r:
+        fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
+        if dot and fqn:
+            rows.setdefault(fqn, {})[name] = key
+    if given is None:  # the parameters whose reference hyperparameters are all equal
+        by_signature: dict[Any, list[str]] = {}
+        for fqn, keys in rows.items():
+            signature = tuple((name, freeze(r[key])) for name, key in keys.items())
+            by_signature.setdefault(signature, []).append(fqn)
+        groups = list(by_signature.values())
+    else:
+        groups = given
+    inferred = given is None
+    group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    decided: dict[tuple[int, str], Any] = {}
+    for key in backfilled:
+        fqn, _, name = key[len(PG_PREFIX) :].rpartition(".")
+        index = group_of.get(fqn)
+        if index is None:
+            continue  # no group: the reference's own value stays
+        if (index, name) not in decided:
+            members = groups[index]
+            held = [c.get(f"{PG_PREFIX}{m}.{name}", MISSING) for m in members]
+            value = group_value(held)
+            if value is DISAGREE and inferred:
+                problems.append(ambiguous(index, name, members, held, key))
+                value = MISSING
+            elif value is DISAGREE:
+                value = majority(held)
+            decided[index, name] = value
+        if decided[index, name] is not MISSING:
+            values[key] = decided[index, name]
+    lines: list[str] = []
+    if conflicts:
+        label = " (inferred)" if inferred else ""
+        for index, members in enumerate(groups):
+            first: dict[str, tuple[str, Any]] = {}
+            reported: set[str] = set()
+            for member in members:
+                for name, key in rows.get(member, {}).items():
+                    value = c.get(key, MISSING)
+                    if value is MISSING or name in reported:
+                        continue
+                    if name not in first:
+                        first[name] = (member, value)
+                    elif not same_value(first[name][1], value):
+                        reported.add(name)
+                        lines.append(
+                            conflict(f"{index}{label}", name, first[name], (member, value))
+                        )
+    return values, lines, problems
+
+
+# --------------------------------------------------------------------------------------
+# nested
+
+
+def _flat_pair(c: Mapping[Any, Any], r: Mapping[Any, Any]) -> bool:
+    """Both sides flat, with str keys: a model or a flattened optimizer inside a nested dict."""
+    return all(
+        all(type(k) is str and not isinstance(v, Mapping) for k, v in side.items())
+        for side in (c, r)
+    )
+
+
+class _Walk:
+    """The nested walk, plainly: recursion, one key at a time."""
+
+    def __init__(self, keep: bool, conflicts: bool) -> None:
+        self.keep = keep
+        self.want_conflicts = conflicts
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatches: list[Mismatch] = []
+        self.conflicts: list[str] = []
+        self.problems: list[str] = []
+        self.slots: dict[str, Slot] = {}
+        self.flat_unexpected: dict[int, list[str]] = {}  # id of a flat sub-dict -> its keys
+
+    def merge(self, c: Mapping[Any, Any], r: Mapping[Any, Any]) -> dict[Any, Any]:
+        if is_optimizer_state_dict(r):
+            out = self._optimizer(c, r, "")
+            self._optimizer_unexpected(c, r, out, "")
+        else:
+            out = self._tree(c, r, "", in_state=False)
+            self._tree_unexpected(c, r, out, "", in_state=False)
+        return out
+
+    def _leaf(self, dest: dict[Any, Any], k: Any, cv: Any, rv: Any, key: str) -> None:
+        dest[k] = cv
+        if cv is not rv and _tensor_pair(cv, rv) and differs(cv, rv):
+            self.mismatches.append(_mismatch(key, cv, rv))
+            self.slots[key] = Slot(partial(dest.__setitem__, k), cv, rv)
+
+    def _tree(
+        self, c: Mapping[Any, Any], r: Mapping[Any, Any], prefix: str, *, in_state: bool
+    ) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for k, rv in r.items():
+            key = prefix + key_str(k, prefix[:-1])
+            if k not in c:
+                self.missing += flat_keys(rv, key, in_optimizer=in_state)
+                out[k] = copy_tree(rv, in_optimizer=in_state)
+            elif not isinstance(rv, Mapping):
+                self._leaf(out, k, c[k], rv, key)
+            elif not in_state and is_optimizer_state_dict(rv):
+                out[k] = self._optimizer(c[k], rv, key + ".")
+            elif not in_state and _flat_pair(c[k], rv):
+                out[k] = self._flat(c[k], rv, key)
+            else:
+                out[k] = self._tree(c[k], rv, key + ".", in_state=in_state)
+        return out
+
+    def _flat(self, c: Mapping[str, Any], r: Mapping[str, Any], key: str) -> dict[str, Any]:
+        sub = flat(
+            c,
+            r,
+            merge=True,
+            keep_unexpected=self.keep,
+            conflicts=self.want_conflicts,
+            key_prefix=key + ".",
+        )
+        self.missing += sub.missing
+        self.mismatches += sub.mismatches
+        self.slots.update(sub.take_reference)
+        self.conflicts += [f"{key!r}: {line}" for line in sub.conflicts]
+        self.problems += [f"{key!r}: {line}" for line in sub.problems]
+        self.flat_unexpected[id(c)] = sub.unexpected
+        assert sub.merged is not None
+        return sub.merged
+
+    def _tree_unexpected(
+        self,
+        c: Mapping[Any, Any],
+        r: Mapping[Any, Any],
+        out: dict[Any, Any],
+        prefix: str,
+        *,
+        in_state: bool,
+    ) -> None:
+        for k, cv in c.items():
+            key = prefix + key_str(k, prefix[:-1])
+            if k not in r:
+                self.unexpected += flat_keys(cv, key, in_optimizer=in_state)
+                if self.keep:
+                    out[k] = copy_tree(cv, in_optimizer=in_state)
+            elif not isinstance(cv, Mapping):
+                continue
+            elif not in_state and is_optimizer_state_dict(cv):
+                self._optimizer_unexpected(cv, r[k], out[k], key + ".")
+            elif not in_state and id(cv) in self.flat_unexpected:
+                self.unexpected += self.flat_unexpected[id(cv)]
+            else:
+                self._tree_unexpected(cv, r[k], out[k], key + ".", in_state=in_state)
+
+    def _optimizer(self, c: Mapping[Any, Any], r: Mapping[Any, Any], prefix: str) -> dict[Any, Any]:
+        c_state, r_state = c[STATE], r[STATE]
+        state: dict[Any, Any] = {}
+        for pid, r_entry in r_state.items():
+            key = prefix + STATE_PREFIX + key_str(pid, prefix + STATE)
+            c_entry = c_state.get(pid, MISSING)
+            if c_entry is MISSING:  # no state in the checkpoint: the reference's
+                self.missing += flat_keys(r_entry, key, in_optimizer=True)
+                state[pid] = copy_tree(r_entry, in_optimizer=True)
+            elif not isinstance(r_entry, Mapping):  # an optimizer-level entry: a leaf
+                self._leaf(state, pid, c_entry, r_entry, key)
+            elif type(c_entry) is dict and c_entry.keys() == r_entry.keys():
+                state[pid] = self._entry(c_entry, r_entry, key)
+            else:
+                state[pid] = self._tree(c_entry, r_entry, key + ".", in_state=True)
+        groups, _ = merge_groups(
+            c, r, prefix, self._groups_outcome(), keep=self.keep, conflicts=self.want_conflicts
+        )
+        extra_c = {k: v for k, v in c.items() if k not in (STATE, PARAM_GROUPS)}
+        extra_r = {k: v for k, v in r.items() if k not in (STATE, PARAM_GROUPS)}
+        return {
+            STATE: state,
+            PARAM_GROUPS: groups,
+            **self._tree(extra_c, extra_r, prefix, in_state=True),
+        }
+
+    def _groups_outcome(self) -> Outcome:
+        """The outcome :func:`merge_groups` writes its findings into: this walk's lists."""
+        out = Outcome(None, self.missing, self.unexpected, self.mismatches)
+        out.conflicts, out.problems = self.conflicts, self.problems
+        return out
+
+    def _entry(
+        self, c_entry: dict[Any, Any], r_entry: Mapping[Any, Any], key: str
+    ) -> dict[Any, Any]:
+        """One parameter's state with the same names on both sides: in the checkpoint's order."""
+        if any(isinstance(v, Mapping) for v in (*c_entry.values(), *r_entry.values())):
+            return self._tree(c_entry, r_entry, key + ".", in_state=True)  # nested state
+        fields: dict[Any, Any] = {}
+        for name, cv in c_entry.items():
+            self._leaf(fields, name, cv, r_entry[name], f"{key}.{name}")
+        return fields
+
+    def _optimizer_unexpected(
+        self, c: Mapping[Any, Any], r: Mapping[Any, Any], out: dict[Any, Any], prefix: str
+    ) -> None:
+        c_state, r_state, state = c[STATE], r[STATE], out[STATE]
+        for pid, c_entry in c_state.items():
+            key = prefix + STATE_PREFIX + key_str(pid, prefix + STATE)
+            if pid not in r_state:
+                self.unexpected += flat_keys(c_entry, key, in_optimizer=True)
+                if self.keep:
+                    state[pid] = copy_tree(c_entry, in_optimizer=True)
+            elif isinstance(c_entry, Mapping):
+                self._tree_unexpected(c_entry, r_state[pid], state[pid], key + ".", in_state=True)
+        r_names = {  # each reference member's hyperparameter names
+            pid: {name for name in g if name != PARAMS}
+            for g in r[PARAM_GROUPS]
+            for pid in g[PARAMS]
+        }
+        for i, g in enumerate(c[PARAM_GROUPS]):
+            for pid in g[PARAMS]:
+                s = key_str(pid, f"{prefix}{PARAM_GROUPS}[{i}]")
+                self.unexpected += [
+                    f"{prefix}{PG_PREFIX}{s}.{name}"
+                    for name in g
+                    if name != PARAMS and name not in r_names.get(pid, ())
+                ]
+        extra_c = {k: v for k, v in c.items() if k not in (STATE, PARAM_GROUPS)}
+        extra_r = {k: v for k, v in r.items() if k not in (STATE, PARAM_GROUPS)}
+        self._tree_unexpected(extra_c, extra_r, out, prefix, in_state=True)

@@ -1,0 +1,105 @@
+"""Every fast path of the engine equals the plain semantics of dsdmerge._semantics.
+
+The engine (dsdmerge._engine.run) takes shortcuts: the flat pass walks the two key sequences
+side by side or falls back to a union, reads torch's param-group keys as a table or key by
+key, compares tensors in C-level passes; the nested walk batches the per-parameter state of
+all parameters and skips the unexpected-key walk when nothing can be unexpected. Here the
+whole Outcome (merged state dict with its key order and leaves by identity, missing,
+unexpected, mismatches, conflicts, problems, the slots a policy uses) is compared with the
+plain, key-by-key definition, on the shipped strategies (every opt-in feature included),
+in every layout, with the keys in torch's order and shuffled.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from semantics_check import assert_same_outcome
+from test_properties import FEATURES, pairs
+
+import dsdmerge as dm
+from dsdmerge import _semantics
+from dsdmerge.strategies import checkpoint_pairs
+
+OPTIONS = st.fixed_dictionaries(
+    {"merge": st.booleans(), "keep_unexpected": st.booleans(), "conflicts": st.booleans()}
+)
+
+# what the strategies draw, and what breaks the engine's shortcuts: a flat reference's
+# param-group keys in another order than torch's (no table: key by key), or the whole
+# key order shuffled (no side-by-side walk: the union)
+with_moves = st.one_of(
+    checkpoint_pairs(layout="nested", **FEATURES, min_moved=1, max_moved=2),
+    checkpoint_pairs(layout="flat", **FEATURES, min_moved=1, max_moved=2),
+    checkpoint_pairs(layout="nested", **FEATURES, min_moved=1, max_moved=2, min_missing=1),
+)
+all_pairs = st.one_of(pairs, with_moves)
+
+
+def _shuffled(sd, seed):
+    keys = list(sd)
+    random.Random(seed).shuffle(keys)
+    return {k: sd[k] for k in keys}
+
+
+def _groups_last(sd):
+    """A flat dict with one parameter's hyperparameters moved to the end (no longer a table)."""
+    pg = [k for k in sd if k.startswith("param_groups.")]
+    if not pg:
+        return sd
+    fqn = pg[0][len("param_groups.") :].rpartition(".")[0]
+    moved = [k for k in pg if k.startswith(f"param_groups.{fqn}.")][1:]
+    return {**{k: v for k, v in sd.items() if k not in moved}, **{k: sd[k] for k in moved}}
+
+
+@given(all_pairs, OPTIONS)
+def test_the_engine_equals_the_semantics(pair, options):
+    assert_same_outcome(*pair, **options)
+
+
+@given(all_pairs, OPTIONS)
+def test_the_flat_pass_equals_the_semantics_on_the_flattened_pair(pair, options):
+    c, r = pair
+    assert_same_outcome(dm.flatten(c), dm.flatten(r), **options)
+
+
+@given(all_pairs, OPTIONS)
+def test_a_flat_checkpoint_over_a_nested_reference_equals_the_semantics(pair, options):
+    c, r = pair
+    assert_same_outcome(dm.flatten(c), r, **options)
+
+
+@given(all_pairs, st.booleans())
+def test_a_nested_checkpoint_compared_with_a_flat_reference_equals_the_semantics(pair, conflicts):
+    c, r = pair
+    assert_same_outcome(c, dm.flatten(r), merge=False, conflicts=conflicts)
+
+
+@given(all_pairs, OPTIONS, st.integers(0, 2**32 - 1), st.sampled_from(["shuffled", "no table"]))
+def test_the_fallbacks_equal_the_semantics(pair, options, seed, how):
+    c, r = (dm.flatten(sd) for sd in pair)
+    if how == "shuffled":
+        c, r = _shuffled(c, seed), _shuffled(r, seed + 1)
+    else:
+        r = _groups_last(r)
+    assert_same_outcome(c, r, **options)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_semantics_of_a_hand_made_case(keep):
+    """The module docstring's rules, on a case small enough to check by eye."""
+    c = {"state.w.step": 7, "param_groups.w.lr": 5e-5, "old": 1}
+    r = {"state.w.step": 1, "state.new.step": 1, "param_groups.w.lr": 1e-3}
+    r["param_groups.new.lr"] = r["param_groups.w.lr"]  # one group: equal hyperparameters
+    out = _semantics.outcome(c, r, merge=True, keep_unexpected=keep)
+    assert out.missing == ["state.new.step", "param_groups.new.lr"]
+    assert out.unexpected == ["old"]
+    expected = {"state.w.step": 7, "param_groups.w.lr": 5e-5, "old": 1}
+    if not keep:
+        del expected["old"]
+    expected |= {"state.new.step": 1, "param_groups.new.lr": 5e-5}  # the group's value
+    assert out.merged == expected
+    assert list(out.merged) == list(expected)
