@@ -36,13 +36,26 @@ from typing import Literal, get_args
 from dsdmerge._values import short_repr
 from dsdmerge.errors import InvalidPolicyError
 
-__all__ = ["DEFAULT", "STRICT", "WARN", "Action", "InvalidPolicyError", "Policy", "resolve_policy"]
+__all__ = [
+    "DEFAULT",
+    "STRICT",
+    "WARN",
+    "Action",
+    "InvalidPolicyError",
+    "Policy",
+    "PolicyName",
+    "resolve_policy",
+]
 
 Action = Literal["ignore", "warn", "raise"]
 """What a policy does about a difference: ``"ignore"`` it, ``"warn"`` (a
 :class:`~dsdmerge.DSDMergeWarning`) or ``"raise"`` (a :class:`~dsdmerge.MergeError`)."""
 
 _ACTIONS = get_args(Action)
+
+PolicyName = Literal["default", "warn", "strict"]
+"""The built-in policies by name. Every ``policy=`` takes one of them or a :class:`Policy`,
+typed ``PolicyName | Policy`` so that a type checker catches ``policy="stric"``."""
 
 
 def _globs(value: str | Iterable[str], name: str) -> tuple[str, ...]:
@@ -185,7 +198,7 @@ _NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
 
 
 def resolve_policy(
-    policy: str | Policy,
+    policy: PolicyName | Policy,
     /,
     *,
     allow_missing: str | Iterable[str] = (),
