@@ -10,7 +10,9 @@ either one ``model.safetensors`` or shards ``model-0000N-of-0000M.safetensors`` 
 ``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {key: shard}}``).
 Headers are read and validated by the ``safetensors`` library (``safe_open``; never a
 tensor byte); the index is checked against them: every shard it names is a regular file
-inside the directory, and each key is in the shard the index says and in no other.
+named inside the directory (no absolute names, no ``..``; symlinks are followed, as the
+Hugging Face hub cache links each file to its blob), and each key is in the shard the
+index says and in no other.
 (torch's ``HuggingFaceStorageReader`` reads every ``*.safetensors`` file of a directory
 whatever the index says, and imports torch, so it is not used here.)
 """
@@ -330,15 +332,26 @@ def hf_layout(path: str | os.PathLike[str], /) -> HFLayout:
 
 
 def _inside(directory: str, name: str, *, where: str, what: str) -> str:
-    """The real path of ``name``, checked to be a regular file inside ``directory``."""
-    if not name or "\0" in name or os.path.isabs(name):
-        raise CheckpointReadError(f"{where}: {what} {name!r} is not a file name", path=where)
-    root = os.path.realpath(directory)
-    file = os.path.realpath(os.path.join(root, name))
-    if file == root or os.path.commonpath([root, file]) != root:
+    """The path of ``name``, checked to name a regular file inside ``directory``.
+
+    The name must stay inside the directory as written (not absolute, no ``..`` out
+    of it); symlinks in the directory are followed (the Hugging Face hub cache is made
+    of them, pointing into its ``blobs``), to regular files only.
+    """
+    norm = os.path.normpath(name) if name else ""
+    if (
+        not name
+        or "\0" in name
+        or os.path.isabs(name)
+        or norm == "."
+        or norm.split(os.sep)[0] == ".."
+    ):
         raise CheckpointReadError(
-            f"{where}: {what} {name!r} is outside the directory; corrupt or crafted", path=where
+            f"{where}: {what} {name!r} is not a file name inside the directory; corrupt or "
+            "crafted",
+            path=where,
         )
+    file = os.path.join(directory, norm)
     try:
         mode = os.stat(file).st_mode
     except OSError as err:

@@ -52,11 +52,13 @@ from typing import Any, ClassVar, Final
 
 import torch
 
+from dsdmerge._paths import part_of, select_flat, top_level
 from dsdmerge.diff import TensorMeta, dtype_name
 from dsdmerge.errors import (
     CheckpointReadError,
     DSDMergeError,
     InvalidPolicyError,
+    LayoutError,
     UnsafeCheckpointError,
 )
 from dsdmerge.flatten import flatten
@@ -297,7 +299,9 @@ def _nbytes(meta: TensorMeta) -> int:
 # formats
 
 
-def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) -> CheckpointView:
+def read_metadata(
+    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+) -> CheckpointView:
     """Read a checkpoint's keys, shapes and dtypes without reading tensor data.
 
     * DCP directory: the ``.metadata`` file only, through a restricted unpickler
@@ -314,6 +318,12 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
     * safetensors file: the header, read and validated by the ``safetensors``
       library (``safe_open``); its ``__metadata__`` is the view's ``metadata``.
 
+    * Hugging Face model directory (``save_pretrained``: ``model.safetensors``, or
+      shards and ``model.safetensors.index.json``; or the index file itself): every
+      shard's header, checked against the index (each key in the shard the index
+      says, and in no other); the index's ``"metadata"`` and the first shard's
+      ``__metadata__`` are the view's ``metadata``.
+
     Does not modify the checkpoint.
 
     Args:
@@ -323,6 +333,9 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
             bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
             only DCP's own classes). ``True``: unpickle without restriction (runs any
             code the pickle holds); only for checkpoints whose origin you trust.
+        key: A dot-separated path to one part of a whole checkpoint (``"model"``,
+            ``"optim"``, ``"optim.state"``): the view is of that part only, keyed
+            as :func:`dsdmerge.flatten` of the part would be.
 
     Returns:
         A :class:`CheckpointView`.
@@ -332,13 +345,14 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
             unknown format.
         UnsafeCheckpointError: A pickle references something outside the
             allow-list (nothing in it has run).
+        LayoutError: Nothing is at ``key`` (the message lists what is there).
 
     Example:
         >>> import tempfile, torch, dsdmerge as dm
         >>> from dsdmerge.integrations import read_metadata
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     torch.save({"w": torch.zeros(2)}, f"{tmp}/ckpt.pt")
-        ...     view = read_metadata(f"{tmp}/ckpt.pt")
+        ...     torch.save({"model": {"w": torch.zeros(2)}, "step": 3}, f"{tmp}/ckpt.pt")
+        ...     view = read_metadata(f"{tmp}/ckpt.pt", key="model")
         >>> dm.diff(view, {"w": torch.zeros(2), "head": torch.zeros(3)}).missing
         ('head',)
     """
@@ -347,16 +361,38 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
     with _reading(where):
         fmt = detect_format(path)
         if fmt == "dcp":
-            return read_dcp_metadata(where, trusted=trust)[0]
+            view, metadata = read_dcp_metadata(where, trusted=trust)
+            if key is None:
+                return view
+            return CheckpointView(
+                select_flat(view, key),
+                path=where,
+                format=fmt,
+                layout=_dcp_part_layout(metadata, key),
+            )
         if fmt == "torch":
-            entries, layout = _torch_entries(where, trusted=trust)
+            entries, layout = _torch_entries(where, trusted=trust, key=key)
             return CheckpointView(entries, path=where, format=fmt, layout=layout)
         if fmt == "hf":
             hf_entries, metadata, _shards = hf_header(hf_layout(where), where=where)
             st_entries = {k: TensorMeta(s, _torch_dtype(c)) for k, (s, c) in hf_entries.items()}
         else:
             st_entries, metadata = _safetensors_header(where)
+        if key is not None:
+            st_entries = select_flat(st_entries, key)
         return CheckpointView(st_entries, path=where, format=fmt, metadata=metadata)
+
+
+def _dcp_part_layout(metadata: Any, key: str) -> Layout:
+    """Whether the part of a DCP checkpoint at ``key`` was saved nested."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    for path in paths.values():
+        if isinstance(path, (list, tuple)):
+            text = [str(p) for p in path]
+            for cut in range(1, len(text)):  # a path part may itself hold dots
+                if ".".join(text[:cut]) == key and len(text) - cut > 1:
+                    return Layout.NESTED
+    return Layout.FLAT
 
 
 def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, Any]:
@@ -378,7 +414,9 @@ def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, An
         return CheckpointView(entries, path=where, format="dcp", layout=layout), metadata
 
 
-def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+) -> dict[str, Any]:
     """Load a whole checkpoint, tensors included, without running pickled code.
 
     * torch file: ``torch.load(weights_only=True, mmap=True, map_location="cpu")``
@@ -393,6 +431,8 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
       ``param_groups``); tensors are plain CPU tensors of the global shape, not
       DTensors; a checkpoint written by a planner that recorded no nesting
       comes back flat, keyed as in its metadata.
+    * Hugging Face model directory (or its index file): every shard, after the
+      index was checked against the shards' headers; one flat dict.
 
     Args:
         path: The checkpoint file or directory.
@@ -401,6 +441,9 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
             bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
             only DCP's own classes). ``True``: unpickle without restriction (runs any
             code the pickle holds); only for checkpoints whose origin you trust.
+        key: A dot-separated path to one part of a whole checkpoint
+            (``"model"``, ``"optim"``): only that part is returned (the whole file
+            is still read).
 
     Returns:
         The state dict, nested as saved.
@@ -426,17 +469,28 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
     with _reading(where):
         fmt = detect_format(path)
         if fmt == "dcp":
-            return _dcp_load(where, trusted=trust)
-        if fmt == "torch":
+            loaded = _dcp_load(where, trusted=trust)
+        elif fmt == "torch":
             loaded = _torch_load(where, trusted=trust, map_location="cpu")
             if not isinstance(loaded, dict):
                 raise CheckpointReadError(
                     f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
                 )
-            return loaded
-        if fmt == "hf":
-            return _hf_load(where)
-        return _safetensors_load(where)
+        elif fmt == "hf":
+            loaded = _hf_load(where)
+        else:
+            loaded = _safetensors_load(where)
+        return loaded if key is None else _part(where, loaded, key)
+
+
+def _part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
+    part = part_of(loaded, key)
+    if not isinstance(part, dict):
+        raise LayoutError(
+            f"{where}: key path {key!r} holds a value ({type(part).__name__}), not a state dict; "
+            f"name a part such as {top_level(loaded)}"
+        )
+    return part
 
 
 # --------------------------------------------------------------------------------------
@@ -632,12 +686,16 @@ def _import_dtensor() -> None:
         import torch.distributed.tensor  # noqa: F401
 
 
-def _torch_entries(where: str, *, trusted: Trust) -> tuple[dict[str, Any], Layout]:
+def _torch_entries(
+    where: str, *, trusted: Trust, key: str | None = None
+) -> tuple[dict[str, Any], Layout]:
     loaded = _torch_load(where, trusted=trusted, map_location="meta")
     if not isinstance(loaded, Mapping):
         raise CheckpointReadError(
             f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
         )
+    if key is not None:
+        loaded = _part(where, loaded, key)
     entries = {key: _to_meta(value) for key, value in flatten(loaded).items()}
     return entries, classify(loaded)
 
