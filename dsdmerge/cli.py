@@ -563,14 +563,14 @@ def _diff(args: argparse.Namespace) -> int:
                 "summary": summary(d),
             }
             if args.stat:
-                out["stat"] = _diff_stat(ckpt, ref, d)
+                out["stat"] = _diff_stat(ckpt_keys, ref, d, keep)
             _print_json(out)
         else:
             style = _Style.of(sys.stdout, args.color)
             for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
                 print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
             if args.stat:
-                _print_diff_stat(_diff_stat(ckpt, ref, d))
+                _print_diff_stat(_diff_stat(ckpt_keys, ref, d, keep))
             print(render(d, limit=args.limit, table=style.table, color=style.color))
             if d.renames:
                 print(f"to apply: {_rename_options(d.renames)}")
@@ -588,8 +588,13 @@ def _diff(args: argparse.Namespace) -> int:
     return EXIT_DIFFERS if differs else EXIT_OK
 
 
-def _diff_stat(ckpt: Mapping[str, Any], ref: Mapping[str, Any], d: Any) -> list[dict[str, Any]]:
-    """Per top-level key: keys on each side and differences of each kind."""
+def _diff_stat(
+    ckpt: Iterable[str], ref: Iterable[str], d: Any, keep: _Filter
+) -> list[dict[str, Any]]:
+    """Per top-level key: keys on each side and differences of each kind.
+
+    Only keys ``--only``/``--exclude`` keep are counted; the checkpoint's after renames.
+    """
     rows: dict[str, dict[str, Any]] = {}
 
     def row(key: str) -> dict[str, Any]:
@@ -607,9 +612,9 @@ def _diff_stat(ckpt: Mapping[str, Any], ref: Mapping[str, Any], d: Any) -> list[
             }
         return got
 
-    for k in ckpt:
+    for k in keep.keys(ckpt):
         row(k)["checkpoint"] += 1
-    for k in ref:
+    for k in keep.keys(ref):
         row(k)["reference"] += 1
     for name, keys in (
         ("missing", d.missing),

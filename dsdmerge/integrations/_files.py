@@ -347,8 +347,7 @@ def _inside(directory: str, name: str, *, where: str, what: str) -> str:
         or norm.split(os.sep)[0] == ".."
     ):
         raise CheckpointReadError(
-            f"{where}: {what} {name!r} is not a file name inside the directory; corrupt or "
-            "crafted",
+            f"{where}: {what} {name!r} is not a file name inside the directory; corrupt or crafted",
             path=where,
         )
     file = os.path.join(directory, norm)
