@@ -130,8 +130,18 @@ class _Progress:
             delay = 1.5
         from tqdm import tqdm
 
+        try:  # a terminal that reports no width (some CI ptys) gets 80 columns
+            width = os.get_terminal_size(sys.stderr.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):
+            width = 80
         self._bar = tqdm(
-            total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, delay=delay
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=sys.stderr,
+            leave=False,
+            delay=delay,
+            ncols=min(width, 120),
         )
         self._delay = delay
         self._start = time.monotonic()
