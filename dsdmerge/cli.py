@@ -811,7 +811,13 @@ def _check(args: argparse.Namespace) -> int:
                 d = err.diff if err.diff is not None else dm.KeyDiff()
                 errors = _findings(err)
         progress.done()
-    warned = [_cli_advice(str(w.message).removeprefix("dsdmerge: ")) for w in caught]
+    # check merges nothing: what a merge would resize is said so
+    warned = [
+        _cli_advice(str(w.message).removeprefix("dsdmerge: ")).replace(
+            " tensor(s) resized (", " tensor(s) would be resized ("
+        )
+        for w in caught
+    ]
     renamed = _renamed_pairs(ckpt, rules)
     ckpt_keys = [dict(renamed).get(k, k) for k in ckpt] if renamed else list(ckpt)
     unmatched = allowed.unmatched(ckpt_keys, list(ref))

@@ -181,15 +181,18 @@ def matcher(globs: Iterable[str]) -> Callable[[str], bool]:
 
     Each entry is an fnmatch glob (case-sensitive, ``*`` crosses dots) and, when it
     parses as one, also an exact pattern as reports print them
-    (``layers.{0..5}.indexer.{bias,weight}``: see :mod:`dsdmerge.report`): a key matches
-    if it matches either reading, so a pattern copied from a report allows exactly its
-    keys.
+    (``layers.{0..5}.indexer.{bias,weight}``: see :mod:`dsdmerge.report`), in which
+    ``*`` and ``?`` still work as in a glob (``layers.{3,5}.experts.{8..11}.*``): a key
+    matches if it matches either reading, so a pattern copied from a report allows
+    exactly its keys.
 
     Example:
         >>> from dsdmerge.policy import matcher
         >>> allowed = matcher(["layers.{0..2}.indexer.{bias,weight}", "ema.*"])
         >>> allowed("layers.1.indexer.bias"), allowed("layers.3.indexer.bias"), allowed("ema.w")
         (True, False, True)
+        >>> matcher(["layers.{3,5}.experts.{8..11}.*"])("layers.5.experts.9.w1.weight")
+        True
     """
     alternatives = []
     for glob in globs:
@@ -217,7 +220,12 @@ def pattern_regex(text: str) -> str | None:
         segments = parse_pattern(text).segments
     except PatternError:
         return None
-    return r"\.".join("(?:" + "|".join(map(re.escape, alts)) + ")" for alts in segments) + r"\Z"
+    return r"\.".join("(?:" + "|".join(map(_glob_part, alts)) + ")" for alts in segments) + r"\Z"
+
+
+def _glob_part(text: str) -> str:
+    """An alternative of a pattern as a regex: ``*`` and ``?`` as in a glob, the rest literal."""
+    return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text)
 
 
 def _never(key: str) -> bool:
