@@ -78,7 +78,9 @@ def main(directory: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    torch.save(get_optimizer_state_dict(model, optimizer, options=options), directory / "step-1000.pt")
+    torch.save(
+        get_optimizer_state_dict(model, optimizer, options=options), directory / "step-1000.pt"
+    )
 
     torch.manual_seed(1)
     grown = MoE({3: 12, 5: 12}, head=32)
