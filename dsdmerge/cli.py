@@ -550,7 +550,8 @@ def _diff(args: argparse.Namespace) -> int:
     ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
     unmatched = allowed.unmatched(ckpt_keys, list(ref))
     _warn_unmatched(unmatched, None)
-    _warn_unmatched(keep.unmatched([*ckpt_keys, *ref]), "of either checkpoint")
+    filters_unmatched = keep.unmatched([*ckpt_keys, *ref])
+    _warn_unmatched(filters_unmatched, "of either checkpoint")
     d = _filtered(whole, keep)
     ok_missing, missing, ok_unexpected, unexpected = allowed.split(d)
     differs = bool(missing or unexpected or d.mismatched or d.changed)
@@ -568,7 +569,10 @@ def _diff(args: argparse.Namespace) -> int:
                 "allowed": {"missing": ok_missing, "unexpected": ok_unexpected},
                 "unmatched_globs": {
                     **allowed.json_unmatched(unmatched),
-                    "only": [g for o, g in keep.unmatched([*ckpt_keys, *ref]) if o == "--only"],
+                    **{
+                        option[2:]: [g for o, g in filters_unmatched if o == option]
+                        for option in ("--only", "--exclude")
+                    },
                 },
                 "summary": summary(d),
             }

@@ -1,12 +1,15 @@
 """Reading checkpoints safely: metadata-only views and full loads, without running pickled code.
 
-Three formats are understood:
+Four formats are understood:
 
 * ``"dcp"``: a ``torch.distributed.checkpoint`` directory (it holds a
   ``.metadata`` file);
 * ``"torch"``: a ``torch.save`` file (``.pt``, ``.pth``, ``.bin``, or any file
   that is a torch zip archive or a pickle);
-* ``"safetensors"``: a ``.safetensors`` file.
+* ``"safetensors"``: a ``.safetensors`` file;
+* ``"hf"``: a Hugging Face model directory (``save_pretrained``: ``model.safetensors``,
+  or shards listed by ``model.safetensors.index.json``), or that index file
+  (see :mod:`dsdmerge.integrations._files`, which reads them without torch).
 
 :func:`read_metadata` returns a :class:`CheckpointView`, a read-only flat
 mapping of every key (spelled as :func:`dsdmerge.flatten` spells the loaded
