@@ -30,7 +30,7 @@ from dsdmerge.layout import (
     classify,
     is_optimizer_state_dict,
 )
-from dsdmerge.policy import Action, InvalidPolicyError, Policy, matcher, resolve_policy
+from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.report import format_keys, format_mismatches, format_resized
 from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
 
@@ -65,7 +65,7 @@ def merge(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -156,7 +156,7 @@ def merge_with_diff(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -205,7 +205,7 @@ def check(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -262,7 +262,7 @@ def check(
 def _merge(
     checkpoint: Mapping[Any, Any],
     reference: Mapping[Any, Any],
-    policy: str | Policy,
+    policy: PolicyName | Policy,
     allow_missing: str | Iterable[str],
     allow_unexpected: str | Iterable[str],
     *,
