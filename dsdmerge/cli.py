@@ -24,14 +24,17 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import stat
 import sys
 import tempfile
+import threading
+import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,9 +44,11 @@ __all__ = [
     "EXIT_OK",
     "CLIError",
     "FORMATS",
+    "HFPlan",
     "build_parser",
     "main",
     "output_format",
+    "reference_state_dict",
     "write_checkpoint",
 ]
 
@@ -74,13 +79,27 @@ class _Style:
     table: bool
 
     @classmethod
-    def of(cls, stream: IO[str]) -> _Style:
+    def of(cls, stream: IO[str], mode: str = "auto") -> _Style:
         tty = _isatty(stream)
-        no_color = bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
-        return cls(color=tty and not no_color, table=tty)
+        return cls(color=_use_color(mode, tty), table=tty)
 
     def paint(self, text: str, code: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+
+def _use_color(mode: str, tty: bool) -> bool:
+    """``--color always|never``; ``auto``: ``NO_COLOR`` off, ``FORCE_COLOR`` on, else a terminal.
+
+    ``NO_COLOR`` (no-color.org) wins over ``FORCE_COLOR`` (force-color.org) when both are
+    set; ``FORCE_COLOR=0`` or ``false`` forces nothing.
+    """
+    if mode == "always":
+        return True
+    if mode == "never" or os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR", "").lower() not in ("", "0", "false"):
+        return True
+    return tty and os.environ.get("TERM") != "dumb"
 
 
 def _isatty(stream: IO[str]) -> bool:
@@ -88,6 +107,75 @@ def _isatty(stream: IO[str]) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+class _Progress:
+    """Progress on stderr, through tqdm, for steps that take more than a moment.
+
+    Nothing at all unless stderr is a terminal (pipes and logs stay clean), and nothing
+    until the operation has run for ``DSDMERGE_PROGRESS_DELAY`` seconds (default 1.5):
+    quick commands never flicker. A step such as reading a 2 GB file or merging 661k
+    keys is one call with no progress of its own, so a ticker thread keeps the bar's
+    elapsed time moving while it runs; the bar names the step.
+    """
+
+    def __init__(self, desc: str, total: int, *, unit: str = "step") -> None:
+        self._bar: Any = None
+        self._stop = threading.Event()
+        if not _isatty(sys.stderr) or os.environ.get("DSDMERGE_PROGRESS", "1") == "0":
+            return
+        try:
+            delay = max(0.0, float(os.environ.get("DSDMERGE_PROGRESS_DELAY", "1.5")))
+        except ValueError:
+            delay = 1.5
+        from tqdm import tqdm
+
+        try:  # a terminal that reports no width (some CI ptys) gets 80 columns
+            width = os.get_terminal_size(sys.stderr.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=sys.stderr,
+            leave=False,
+            delay=delay,
+            ncols=min(width, 120),
+        )
+        self._delay = delay
+        self._start = time.monotonic()
+        self._ticker = threading.Thread(target=self._tick, name="dsdmerge-progress", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25):
+            if time.monotonic() - self._start >= self._delay:
+                with contextlib.suppress(Exception):  # a closed terminal: no progress
+                    self._bar.refresh()
+
+    def step(self, what: str) -> None:
+        """Start step ``what`` (the previous one is done)."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(what, refresh=False)
+
+    def done(self, n: int = 1) -> None:
+        """``n`` more units done."""
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._stop.set()
+            self._ticker.join()
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- reading -------------------------------------------------------------------------
@@ -108,16 +196,67 @@ def _trusted(args: argparse.Namespace) -> bool | list[str]:
     return list(getattr(args, "safe_globals", None) or []) or False
 
 
-def _read(path: str, *, trusted: bool | list[str]) -> tuple[Any, str]:
-    """The metadata-only view of a checkpoint and the layout it was saved in."""
-    view = _view(path, trusted=trusted)
-    return view, view.layout.value
+def _keys_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(checkpoint key path, reference key path)`` from ``--key``/``--ckpt-key``/``--ref-key``."""
+    both = getattr(args, "key", None)
+    ckpt = getattr(args, "ckpt_key", None) or both
+    ref = getattr(args, "ref_key", None) or both
+    return ckpt, ref
 
 
-def _view(path: str, *, trusted: bool | list[str]) -> Any:
+def _view(path: str, *, trusted: bool | list[str], key: str | None = None) -> Any:
     from dsdmerge.integrations.checkpoints import read_metadata
 
-    return read_metadata(path, trusted=trusted)
+    return read_metadata(path, trusted=trusted, key=key)
+
+
+def _named(path: str, key: str | None) -> str:
+    """``ckpt.pt`` or ``ckpt.pt [model]`` for headers."""
+    return f"{path} [{key}]" if key else path
+
+
+class _Filter:
+    """``--only GLOB`` / ``--exclude GLOB``: which keys a report shows (globs or patterns)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from dsdmerge.policy import matcher
+
+        self.only: list[str] = list(getattr(args, "only", None) or [])
+        self.exclude: list[str] = list(getattr(args, "exclude", None) or [])
+        self._only = matcher(self.only) if self.only else None
+        self._exclude = matcher(self.exclude)
+
+    def __bool__(self) -> bool:
+        return bool(self.only or self.exclude)
+
+    def __call__(self, key: str) -> bool:
+        return (self._only is None or self._only(key)) and not self._exclude(key)
+
+    def keys(self, keys: Iterable[str]) -> list[str]:
+        return [k for k in keys if self(k)] if self else list(keys)
+
+    def unmatched(self, keys: Collection[str]) -> list[tuple[str, str]]:
+        """``(option, glob)`` for each glob that matches none of ``keys``."""
+        return [
+            (option, glob)
+            for option, globs in (("--only", self.only), ("--exclude", self.exclude))
+            for glob in globs
+            if not _matches_any(glob, keys)
+        ]
+
+
+def _matches_any(glob: str, keys: Iterable[str]) -> bool:
+    from dsdmerge.policy import matcher
+
+    return any(map(matcher([glob]), keys))
+
+
+def _warn_unmatched(pairs: Sequence[tuple[str, str]], where: str | None) -> None:
+    """One warning per glob that matches no key (``where`` None: the side it applies to)."""
+    sides = {"--allow-missing": "of the reference", "--allow-unexpected": "of the checkpoint"}
+    for option, glob in pairs:
+        place = where if where is not None else sides.get(option, "")
+        _stderr(f"dsdmerge: warning: {option} {glob!r} matches no key {place} (a typo?)")
 
 
 # -- inspect -------------------------------------------------------------------------
@@ -132,46 +271,147 @@ def _bytes(n: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+@dataclasses.dataclass
+class _Summary:
+    """What ``inspect`` shows of a checkpoint: its keys, and the tensors under each."""
+
+    path: str
+    format: str
+    layout: str
+    metadata: dict[str, str]
+    tensors: dict[str, list[tuple[str, int]]]  # key -> (dtype name, bytes) per tensor
+    keys: list[str]
+
+    def only(self, keep: _Filter) -> _Summary:
+        if not keep:
+            return self
+        keys = keep.keys(self.keys)
+        kept = set(keys)
+        tensors = {k: v for k, v in self.tensors.items() if k in kept}
+        return dataclasses.replace(self, keys=keys, tensors=tensors)
+
+    @property
+    def count(self) -> int:
+        return sum(map(len, self.tensors.values()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for each in self.tensors.values() for _, n in each)
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for each in self.tensors.values():
+            for name, _ in each:
+                counts[name] = counts.get(name, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def _summary(path: str, *, trusted: bool | list[str], key: str | None) -> _Summary:
+    """What ``inspect`` shows of a checkpoint.
+
+    safetensors files and Hugging Face directories are read from their headers
+    without importing torch, so ``dsdmerge inspect model.safetensors`` starts fast.
+    """
+    from dsdmerge.integrations import _files
+
+    with _files.reading(path):
+        fmt = _files.detect_format(path)
+        if fmt in ("safetensors", "hf"):
+            if fmt == "hf":
+                entries, metadata, _ = _files.hf_header(_files.hf_layout(path), where=path)
+            else:
+                entries, metadata = _files.safetensors_header(path)
+            if key is not None:
+                from dsdmerge._paths import select_flat
+
+                entries = select_flat(entries, key)
+            tensors = {}
+            for k, (shape, code) in entries.items():
+                name, size = _files.DTYPES.get(code, (code, 0))
+                tensors[k] = [(name, math.prod(shape) * size)]
+            return _Summary(path, fmt, "flat", metadata, tensors, list(entries))
+    view = _view(path, trusted=trusted, key=key)
+    from dsdmerge.integrations.checkpoints import _metas, _nbytes
+
+    tensors = {}
+    for k, value in view.items():
+        metas = list(_metas(value))
+        if metas:  # a tensor, or a list of them
+            tensors[k] = [(_dtype_name(m.dtype), _nbytes(m)) for m in metas]
+    return _Summary(view.path, view.format, view.layout.value, view.metadata, tensors, list(view))
+
+
+def _dtype_name(dtype: Any) -> str:
+    text = str(dtype)
+    return text[len("torch.") :] if text.startswith("torch.") else text
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from dsdmerge.report import compress, render_patterns
 
     _trust_warning(args)
-    view, layout = _read(args.path, trusted=_trusted(args))
-    patterns = compress(view, max_parts=16)
+    keep = _Filter(args)
+    with _Progress("inspect", 2) as progress:
+        progress.step(f"reading {args.path}")
+        whole = _summary(args.path, trusted=_trusted(args), key=args.key)
+        progress.done()
+        data = whole.only(keep)
+        _warn_unmatched(keep.unmatched(whole.keys), f"of {args.path}")
+        progress.step("compressing keys")
+        patterns = compress(data.keys, max_parts=16)
+        progress.done()
+    tensors = data.count
+    stat = _stat_rows(data.keys, data.tensors) if args.stat else None
     if args.json:
-        _print_json(
-            {
-                "path": view.path,
-                "format": view.format,
-                "layout": layout,
-                "keys": len(view),
-                "tensors": view.tensor_count,
-                "bytes": view.nbytes,
-                "dtypes": view.dtypes,
-                "metadata": view.metadata,
-                "patterns": [p.to_dict() for p in patterns],
-            }
-        )
+        out: dict[str, Any] = {
+            "path": data.path,
+            "key": args.key,
+            "format": data.format,
+            "layout": data.layout,
+            "keys": len(data.keys),
+            "tensors": tensors,
+            "bytes": data.nbytes,
+            "dtypes": data.dtypes,
+            "metadata": data.metadata,
+            "patterns": [p.to_dict() for p in patterns],
+        }
+        if stat is not None:
+            out["stat"] = [
+                {"prefix": prefix, "keys": n, "tensors": t, "bytes": b} for prefix, n, t, b in stat
+            ]
+        _print_json(out)
         return EXIT_OK
-    style = _Style.of(sys.stdout)
-    dtypes = ", ".join(f"{name} x {n:,}" for name, n in view.dtypes.items()) or "-"
+    style = _Style.of(sys.stdout, args.color)
+    dtypes = ", ".join(f"{name} x {n:,}" for name, n in data.dtypes.items()) or "-"
     rows = [
-        ("format", view.format),
-        ("layout", layout),
-        ("keys", f"{len(view):,}"),
-        ("tensors", f"{view.tensor_count:,} ({_bytes(view.nbytes)})"),
+        ("format", data.format),
+        ("layout", data.layout),
+        ("keys", f"{len(data.keys):,}"),
+        ("tensors", f"{tensors:,} ({_bytes(data.nbytes)})"),
         ("dtypes", dtypes),
     ]
-    if view.metadata:  # a safetensors header's __metadata__ (format, step, notes ...)
-        pairs = sorted(view.metadata.items())
+    if data.metadata:  # a safetensors header's __metadata__, an HF index's "metadata"
+        pairs = sorted(data.metadata.items())
         rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in pairs)))
-    print(style.paint(view.path, "1"))
+    if keep:
+        shown = " ".join(
+            [*(f"--only {g!r}" for g in keep.only), *(f"--exclude {g!r}" for g in keep.exclude)]
+        )
+        rows.append(("filter", f"{shown} ({len(data.keys):,} of {len(whole.keys):,} keys)"))
+    print(style.paint(_named(data.path, args.key), "1"))
     if style.table:
         for name, value in rows:
             print(f"  {name:<8} {value}")
     else:
         for name, value in rows:
             print(f"  {name}: {value}")
+    if stat is not None:
+        print("  per top-level key:")
+        table = [("", "keys", "tensors", "bytes")]
+        table += [(prefix, f"{n:,}", f"{t:,}", _bytes(b)) for prefix, n, t, b in stat]
+        for line in _aligned(table, right=(1, 2, 3)):
+            print(f"    {line}")
     n = len(patterns)
     print(f"  key patterns ({n:,}):" if n else "  no keys")
     lines = render_patterns(patterns, limit=args.limit, table=style.table, color=style.color)
@@ -180,7 +420,110 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _prefix(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+def _stat_rows(
+    keys: Sequence[str], tensors: Mapping[str, list[tuple[str, int]]]
+) -> list[tuple[str, int, int, int]]:
+    """``(top-level key, keys, tensors, bytes)`` per top-level key, most keys first."""
+    rows: dict[str, list[int]] = {}
+    for k in keys:
+        row = rows.setdefault(_prefix(k), [0, 0, 0])
+        row[0] += 1
+        for _, n in tensors.get(k, ()):
+            row[1] += 1
+            row[2] += n
+    out = [(prefix, n, t, b) for prefix, (n, t, b) in rows.items()]
+    return sorted(out, key=lambda r: (-r[1], r[0]))
+
+
+def _aligned(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            (cell.rjust(w) if i in right else cell.ljust(w))
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
 # -- diff ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Allowed:
+    """The allow-lists of ``diff``/``check``/``merge`` and what they allow of a diff."""
+
+    missing: list[str]
+    unexpected: list[str]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _Allowed:
+        return cls(list(args.allow_missing or []), list(args.allow_unexpected or []))
+
+    def split(self, d: Any) -> tuple[list[str], list[str], list[str], list[str]]:
+        """``(allowed missing, other missing, allowed unexpected, other unexpected)``."""
+        from dsdmerge.policy import matcher
+
+        m, u = matcher(self.missing), matcher(self.unexpected)
+        return (
+            [k for k in d.missing if m(k)],
+            [k for k in d.missing if not m(k)],
+            [k for k in d.unexpected if u(k)],
+            [k for k in d.unexpected if not u(k)],
+        )
+
+    def unmatched(
+        self, checkpoint: Collection[str], reference: Collection[str]
+    ) -> list[tuple[str, str]]:
+        """``(option, glob)`` for each glob that matches no key it could ever allow.
+
+        A missing key is a key of the reference; an unexpected one, of the checkpoint
+        (after renames).
+        """
+        return [
+            *(("--allow-missing", g) for g in self.missing if not _matches_any(g, reference)),
+            *(
+                ("--allow-unexpected", g)
+                for g in self.unexpected
+                if not _matches_any(g, checkpoint)
+            ),
+        ]
+
+    def json_unmatched(self, pairs: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
+        return {
+            "allow_missing": [g for o, g in pairs if o == "--allow-missing"],
+            "allow_unexpected": [g for o, g in pairs if o == "--allow-unexpected"],
+        }
+
+
+def _renamed_keys(view: Mapping[str, Any], rules: Any) -> list[str]:
+    """The checkpoint's keys after ``--rename``/``--strip-prefix``/``--preset``."""
+    if not rules:
+        return list(view)
+    from dsdmerge.rename import rename_checkpoint
+
+    try:
+        return list(rename_checkpoint(view, rules)[0])
+    except Exception:  # noqa: BLE001 - the diff or merge itself reports a bad rule
+        return list(view)
+
+
+def _filtered(d: Any, keep: _Filter) -> Any:
+    """The diff with only the keys ``--only``/``--exclude`` keep."""
+    if not keep:
+        return d
+    return dataclasses.replace(
+        d,
+        missing=tuple(filter(keep, d.missing)),
+        unexpected=tuple(filter(keep, d.unexpected)),
+        mismatched=tuple(m for m in d.mismatched if keep(m.key)),
+        changed=tuple(c for c in d.changed if keep(c.key)),
+        resized=tuple(r for r in d.resized if keep(r.key)),
+    )
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -188,32 +531,122 @@ def _diff(args: argparse.Namespace) -> int:
     from dsdmerge.report import render, summary
 
     _trust_warning(args)
-    ckpt = _view(args.checkpoint, trusted=_trusted(args))
-    ref = _view(args.reference, trusted=_trusted(args))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", dm.DSDMergeWarning)
-        d = dm.diff(ckpt, ref, rename=_rename_rules(args))
+    ckpt_key, ref_key = _keys_of(args)
+    keep = _Filter(args)
+    allowed = _Allowed.of(args)
+    with _Progress("diff", 3) as progress:
+        progress.step(f"reading {args.checkpoint}")
+        ckpt = _view(args.checkpoint, trusted=_trusted(args), key=ckpt_key)
+        progress.done()
+        progress.step(f"reading {args.reference}")
+        ref = _view(args.reference, trusted=_trusted(args), key=ref_key)
+        progress.done()
+        progress.step("comparing")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", dm.DSDMergeWarning)
+            whole = dm.diff(ckpt, ref, rename=_rename_rules(args), values=not args.ignore_values)
+        progress.done()
     _print_warnings(caught)
+    ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+    unmatched = allowed.unmatched(ckpt_keys, list(ref))
+    _warn_unmatched(unmatched, None)
+    filters_unmatched = keep.unmatched([*ckpt_keys, *ref])
+    _warn_unmatched(filters_unmatched, "of either checkpoint")
+    d = _filtered(whole, keep)
+    ok_missing, missing, ok_unexpected, unexpected = allowed.split(d)
+    differs = bool(missing or unexpected or d.mismatched or d.changed)
     # the status is the answer: a reader that stops early (`| head`) must not turn it into 0
     with _reader_may_leave():
         if args.json:
-            _print_json(
-                {
-                    "checkpoint": ckpt.path,
-                    "reference": ref.path,
-                    "differs": bool(d),
-                    **d.to_dict(),
-                    "summary": summary(d),
-                }
-            )
+            out: dict[str, Any] = {
+                "checkpoint": ckpt.path,
+                "reference": ref.path,
+                "checkpoint_key": ckpt_key,
+                "reference_key": ref_key,
+                "differs": differs,
+                **d.to_dict(),
+                "changed": [c.to_dict() for c in d.changed],
+                "allowed": {"missing": ok_missing, "unexpected": ok_unexpected},
+                "unmatched_globs": {
+                    **allowed.json_unmatched(unmatched),
+                    **{
+                        option[2:]: [g for o, g in filters_unmatched if o == option]
+                        for option in ("--only", "--exclude")
+                    },
+                },
+                "summary": summary(d),
+            }
+            if args.stat:
+                out["stat"] = _diff_stat(ckpt_keys, ref, d, keep)
+            _print_json(out)
         else:
-            style = _Style.of(sys.stdout)
-            for label, view in (("checkpoint", ckpt), ("reference", ref)):
-                print(f"{label}: {view.path} ({view.format}, {len(view):,} keys)")
+            style = _Style.of(sys.stdout, args.color)
+            for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
+                print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+            if args.stat:
+                _print_diff_stat(_diff_stat(ckpt_keys, ref, d, keep))
             print(render(d, limit=args.limit, table=style.table, color=style.color))
             if d.renames:
                 print(f"to apply: {_rename_options(d.renames)}")
-    return EXIT_DIFFERS if d else EXIT_OK
+            if ok_missing or ok_unexpected:
+                parts = [
+                    f"{n:,} {what}"
+                    for n, what in (
+                        (len(ok_missing), "missing (--allow-missing)"),
+                        (len(ok_unexpected), "unexpected (--allow-unexpected)"),
+                    )
+                    if n
+                ]
+                verdict = "nothing else differs" if not differs else "other differences remain"
+                print(f"allowed: {', '.join(parts)}; {verdict}")
+    return EXIT_DIFFERS if differs else EXIT_OK
+
+
+def _diff_stat(
+    ckpt: Iterable[str], ref: Iterable[str], d: Any, keep: _Filter
+) -> list[dict[str, Any]]:
+    """Per top-level key: keys on each side and differences of each kind.
+
+    Only keys ``--only``/``--exclude`` keep are counted; the checkpoint's after renames.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(key: str) -> dict[str, Any]:
+        prefix = _prefix(key)
+        got = rows.get(prefix)
+        if got is None:
+            got = rows[prefix] = {
+                "prefix": prefix,
+                "checkpoint": 0,
+                "reference": 0,
+                "missing": 0,
+                "unexpected": 0,
+                "mismatched": 0,
+                "changed": 0,
+            }
+        return got
+
+    for k in keep.keys(ckpt):
+        row(k)["checkpoint"] += 1
+    for k in keep.keys(ref):
+        row(k)["reference"] += 1
+    for name, keys in (
+        ("missing", d.missing),
+        ("unexpected", d.unexpected),
+        ("mismatched", d.mismatched_keys),
+        ("changed", [c.key for c in d.changed]),
+    ):
+        for k in keys:
+            row(k)[name] += 1
+    return sorted(rows.values(), key=lambda r: (-max(r["checkpoint"], r["reference"]), r["prefix"]))
+
+
+def _print_diff_stat(rows: Sequence[Mapping[str, Any]]) -> None:
+    columns = ("checkpoint", "reference", "missing", "unexpected", "mismatched", "changed")
+    table = [("top-level key", *columns)]
+    table += [(r["prefix"], *(f"{r[c]:,}" for c in columns)) for r in rows]
+    for line in _aligned(table, right=range(1, len(columns) + 1)):
+        print(f"  {line}")
 
 
 # -- rename options --------------------------------------------------------------------
@@ -249,8 +682,6 @@ class _RuleAction(argparse.Action):
 
 
 def _add_rename_options(p: argparse.ArgumentParser) -> None:
-    from dsdmerge.rename import RENAME_PRESETS
-
     p.add_argument(
         "--rename",
         action=_RuleAction,
@@ -272,9 +703,9 @@ def _add_rename_options(p: argparse.ArgumentParser) -> None:
         "--preset",
         action=_RuleAction,
         dest="rename_rules",
-        choices=tuple(RENAME_PRESETS),
+        choices=_PRESET_NAMES,
         metavar="NAME",
-        help="a named rename rule for a wrapper: " + ", ".join(RENAME_PRESETS) + "; repeatable",
+        help="a named rename rule for a wrapper: " + ", ".join(_PRESET_NAMES) + "; repeatable",
     )
 
 
@@ -295,59 +726,301 @@ def _print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
         _stderr(f"dsdmerge: warning: {_cli_advice(text)}")
 
 
+# -- check ---------------------------------------------------------------------------
+
+
+def _findings(err: Exception) -> list[str]:
+    """The reasons of a policy's refusal, one per line, in command-line terms."""
+    lines = str(err).splitlines()[1:]
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("  - "):
+            out.append(line[4:])
+        elif out:
+            out[-1] += " " + line.strip()
+    return [_cli_advice(_rename_advice(err, f)) for f in out] or [_cli_advice(str(err))]
+
+
+def _rename_advice(err: Any, text: str) -> str:
+    d = getattr(err, "diff", None)
+    if d is not None and d.renames:
+        from dsdmerge.merge import rename_hint
+
+        text = text.replace(
+            rename_hint(d.renames), f" Some look renamed: pass {_rename_options(d.renames)}."
+        )
+    return text
+
+
+def _renamed_pairs(view: Mapping[str, Any], rules: Any) -> list[tuple[str, str]]:
+    """``(old key, new key)`` for each checkpoint key the rename rules change."""
+    if not rules:
+        return []
+    from dsdmerge.rename import rename_checkpoint
+
+    try:
+        renamed = rename_checkpoint(view, rules)[0]
+    except Exception:  # noqa: BLE001 - the check itself reports a bad rule
+        return []
+    if len(renamed) != len(view):
+        return []
+    return [(a, b) for a, b in zip(view, renamed, strict=True) if a != b]
+
+
+def _plan(d: Any, policy: Any, shapes: str) -> dict[str, Any]:
+    """What a merge would do with these differences, as ``check --json`` reports it."""
+    shape = [m for m in d.mismatched if m.shape_differs]
+    return {
+        "backfilled": list(d.missing),
+        "kept": [] if policy.drop_unexpected else list(d.unexpected),
+        "dropped": list(d.unexpected) if policy.drop_unexpected else [],
+        "resized": [m.to_dict() for m in shape] if shapes == "resize" else [],
+        "replaced": [m.to_dict() for m in shape] if shapes == "take_reference" else [],
+        "cast": [m.to_dict() for m in d.mismatched if not m.shape_differs],
+    }
+
+
+def _check(args: argparse.Namespace) -> int:
+    import dsdmerge as dm
+    from dsdmerge.report import format_keys, render, summary
+
+    _trust_warning(args)
+    ckpt_key, ref_key = _keys_of(args)
+    allowed = _Allowed.of(args)
+    policy = dm.resolve_policy(args.policy)
+    shapes = args.on_shape_mismatch.replace("-", "_")
+    rules = _rename_rules(args)
+    errors: list[str] = []
+    with _Progress("check", 3) as progress:
+        progress.step(f"reading {args.checkpoint}")
+        ckpt = _view(args.checkpoint, trusted=_trusted(args), key=ckpt_key)
+        progress.done()
+        progress.step(f"reading {args.reference}")
+        ref = _view(args.reference, trusted=_trusted(args), key=ref_key)
+        progress.done()
+        progress.step("checking")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", dm.DSDMergeWarning)
+            try:
+                d = dm.check(
+                    ckpt,
+                    ref,
+                    policy=policy,
+                    allow_missing=allowed.missing,
+                    allow_unexpected=allowed.unexpected,
+                    rename=rules,
+                    on_shape_mismatch=shapes,
+                )
+            except dm.MergeError as err:
+                d = err.diff if err.diff is not None else dm.KeyDiff()
+                errors = _findings(err)
+        progress.done()
+    # check merges nothing: what a merge would resize is said so
+    warned = [
+        _cli_advice(str(w.message).removeprefix("dsdmerge: ")).replace(
+            " tensor(s) resized (", " tensor(s) would be resized ("
+        )
+        for w in caught
+    ]
+    renamed = _renamed_pairs(ckpt, rules)
+    ckpt_keys = [dict(renamed).get(k, k) for k in ckpt] if renamed else list(ckpt)
+    unmatched = allowed.unmatched(ckpt_keys, list(ref))
+    ok_missing, _missing, ok_unexpected, _unexpected = allowed.split(d)
+    accepted = not errors
+    if args.json:
+        _print_json(
+            {
+                "checkpoint": ckpt.path,
+                "reference": ref.path,
+                "checkpoint_key": ckpt_key,
+                "reference_key": ref_key,
+                "policy": policy.name,
+                "accepted": accepted,
+                "errors": errors,
+                "warnings": warned,
+                **_plan(d, policy, shapes),
+                "renamed": [{"from": a, "to": b} for a, b in renamed],
+                "missing": list(d.missing),
+                "unexpected": list(d.unexpected),
+                "mismatched": [m.to_dict() for m in d.mismatched],
+                "allowed": {"missing": ok_missing, "unexpected": ok_unexpected},
+                "unmatched_globs": allowed.json_unmatched(unmatched),
+                "suggested_renames": [r.to_dict() for r in d.renames],
+                "summary": summary(d),
+            }
+        )
+        return EXIT_OK if accepted else EXIT_DIFFERS
+    for line in warned:
+        _stderr(f"dsdmerge: warning: {line}")
+    _warn_unmatched(unmatched, None)
+    style = _Style.of(sys.stdout, args.color)
+    for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
+        print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+    print(render(d, limit=args.limit, table=style.table, color=style.color))
+    if renamed:
+        print(
+            f"{len(renamed):,} checkpoint keys renamed first, e.g. {renamed[0][0]} -> "
+            f"{renamed[0][1]} ({format_keys([a for a, _ in renamed], limit=3)})"
+        )
+    if accepted:
+        print(style.paint(f"policy {policy.name!r} accepts the merge", "32"))
+        return EXIT_OK
+    print(style.paint(f"policy {policy.name!r} rejects the merge:", "31"))
+    for line in errors:
+        print(f"  - {line}")
+    return EXIT_DIFFERS
+
+
 # -- merge ---------------------------------------------------------------------------
 
 
 def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
-    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint, read_metadata
+    from dsdmerge._paths import replace_part
+    from dsdmerge.integrations.checkpoints import (
+        _part,
+        detect_format,
+        load_checkpoint,
+        read_metadata,
+    )
     from dsdmerge.report import render
 
     _trust_warning(args)
     out = Path(args.out)
-    fmt = output_format(out, args.format)
+    ckpt_key, ref_key = _keys_of(args)
+    ckpt_format = detect_format(args.checkpoint)
+    fmt = output_format(out, args.format, directory="hf" if ckpt_format == "hf" else "dcp")
     _check_out(out, force=args.force, fmt=fmt)
     trusted = _trusted(args)
-    ckpt = load_checkpoint(args.checkpoint, trusted=trusted)
-    ref = load_checkpoint(args.reference, trusted=trusted)
-    metadata: dict[str, str] = {}
-    if fmt == "safetensors":  # keep the files' own __metadata__ (format, step, notes ...)
-        for source in (args.checkpoint, args.reference):
-            if not metadata and detect_format(source) == "safetensors":
-                metadata = read_metadata(source).metadata
-    policy = dm.resolve_policy(args.policy)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", dm.DSDMergeWarning)
-        try:
-            merged = dm.merge_with_diff(
-                ckpt,
-                ref,
-                policy=policy,
-                allow_missing=args.allow_missing,
-                allow_unexpected=args.allow_unexpected,
-                rename=_rename_rules(args),
-                on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
-            )
-        except dm.MergeError as err:
-            text = str(err)
-            if err.diff is not None and err.diff.renames:
-                from dsdmerge.merge import rename_hint
-
-                renames = err.diff.renames
-                text = text.replace(
-                    rename_hint(renames), f" Some look renamed: pass {_rename_options(renames)}."
+    allowed = _Allowed.of(args)
+    with _Progress("merge", 4) as progress:
+        progress.step(f"reading {args.checkpoint}")
+        whole = load_checkpoint(args.checkpoint, trusted=trusted)
+        ckpt = _part(args.checkpoint, whole, ckpt_key) if ckpt_key else whole
+        progress.done()
+        progress.step(f"reading {args.reference}")
+        ref = load_checkpoint(args.reference, trusted=trusted, key=ref_key)
+        progress.done()
+        metadata: dict[str, str] = {}
+        if fmt == "safetensors":  # keep the files' own __metadata__ (format, step, notes ...)
+            for source in (args.checkpoint, args.reference):
+                if not metadata and detect_format(source) == "safetensors":
+                    metadata = read_metadata(source).metadata
+        policy = dm.resolve_policy(args.policy)
+        progress.step("merging")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", dm.DSDMergeWarning)
+            try:
+                merged = dm.merge_with_diff(
+                    ckpt,
+                    ref,
+                    policy=policy,
+                    allow_missing=allowed.missing,
+                    allow_unexpected=allowed.unexpected,
+                    rename=_rename_rules(args),
+                    on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
                 )
-            _stderr(f"dsdmerge: {_cli_advice(text)}")
-            _stderr(f"dsdmerge: nothing written to {out}")
-            return EXIT_DIFFERS
-    _print_warnings(caught)
-    _check_out(out, force=args.force, fmt=fmt)  # again: it may have appeared while we merged
-    write_checkpoint(merged.state_dict, out, fmt, force=args.force, metadata=metadata)
-    style = _Style.of(sys.stdout)
-    print(f"wrote {out} ({fmt}, {len(dm.flatten(merged.state_dict)):,} keys)")
+            except dm.MergeError as err:
+                progress.close()
+                _stderr(f"dsdmerge: {_cli_advice(_rename_advice(err, str(err)))}")
+                _stderr(f"dsdmerge: nothing written to {out}")
+                return EXIT_DIFFERS
+        progress.done()
+        _print_warnings(caught)
+        ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+        _warn_unmatched(allowed.unmatched(ckpt_keys, list(ref)), None)
+        result = merged.state_dict
+        if ckpt_key:  # the whole checkpoint, its part at --ckpt-key merged
+            result = replace_part(whole, ckpt_key, result)
+        _check_out(out, force=args.force, fmt=fmt)  # again: it may have appeared meanwhile
+        progress.step(f"writing {out}")
+        plan = (
+            _hf_plan(result, args.checkpoint, args.reference, ckpt_format) if fmt == "hf" else None
+        )
+        write_checkpoint(result, out, fmt, force=args.force, metadata=metadata, hf=plan)
+        progress.done()
+    style = _Style.of(sys.stdout, args.color)
+    part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
+    print(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
     if merged.diff:
         print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
     return EXIT_OK
+
+
+@dataclasses.dataclass(frozen=True)
+class HFPlan:
+    """How ``merge`` writes a Hugging Face directory: shards, their metadata, the index.
+
+    Attributes:
+        shard_of: Each key's shard file name.
+        shard_metadata: Each shard's ``__metadata__``.
+        index: The index file's name, or ``None`` for one unsharded weights file.
+        index_metadata: The index's ``"metadata"`` (``total_size`` is recomputed).
+        extra_files: Other files copied into the directory (``config.json`` ...), by name.
+    """
+
+    shard_of: dict[str, str]
+    shard_metadata: dict[str, dict[str, str]]
+    index: str | None
+    index_metadata: dict[str, Any]
+    extra_files: dict[str, str]
+
+
+_HF_EXTRA = re.compile(r"[^/]+\.(json|txt|model|jinja|md|tiktoken|py)")
+"""Files of a Hugging Face directory that ``merge`` copies next to the weights (config ...)."""
+
+
+def _hf_extra_files(directory: str, skip: Collection[str]) -> dict[str, str]:
+    """Regular files (symlinks followed) of a Hugging Face directory worth carrying over."""
+    out: dict[str, str] = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name in skip or name.endswith(".safetensors") or not _HF_EXTRA.fullmatch(name):
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.stat(path).st_mode):
+                out[name] = path
+    return out
+
+
+def _hf_plan(
+    result: Mapping[str, Any], checkpoint: str, reference: str, ckpt_format: str
+) -> HFPlan:
+    """How to write ``result`` as a Hugging Face directory like the checkpoint's.
+
+    Shards as the checkpoint has them; keys only the reference had go where its index
+    puts them (when the checkpoint has that shard), else into the last shard; config and
+    other small files come from the reference's directory (the model you have now), else
+    the checkpoint's. A checkpoint that is not a Hugging Face directory is written as one
+    unsharded ``model.safetensors``.
+    """
+    from dsdmerge.integrations.checkpoints import detect_format, hf_shards
+
+    ref_format = detect_format(reference)
+    ref_shard_of: dict[str, str] = {}
+    ref_dir = None
+    if ref_format == "hf":
+        ref_layout, ref_shard_of, _ = hf_shards(reference)
+        ref_dir = ref_layout.directory
+    if ckpt_format != "hf":
+        extra = _hf_extra_files(ref_dir, ()) if ref_dir else {}
+        return HFPlan(
+            dict.fromkeys(result, "model.safetensors"),
+            {"model.safetensors": {"format": "pt"}},
+            None,
+            {},
+            extra,
+        )
+    layout, shard_of, shard_metadata = hf_shards(checkpoint)
+    last = layout.shards[-1]
+    names = set(layout.shards)
+    plan = {}
+    for key in result:
+        shard = shard_of.get(key) or ref_shard_of.get(key)
+        plan[key] = shard if shard in names else last
+    skip = {layout.index or "", *layout.shards}
+    extra = _hf_extra_files(ref_dir or layout.directory, skip)
+    return HFPlan(plan, shard_metadata, layout.index, dict(layout.metadata), extra)
 
 
 _ADVICE = (
@@ -367,7 +1040,7 @@ def _cli_advice(text: str) -> str:
     return text
 
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "hf")
 """The formats ``merge`` writes (``--format``)."""
 
 _SUFFIX_FORMAT = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".safetensors": "safetensors"}
@@ -375,22 +1048,26 @@ _NAMES = {
     "torch": "a .pt, .pth or .bin file name",
     "safetensors": "a .safetensors file name",
     "dcp": "a directory name without a suffix",
+    "hf": "a directory name without a suffix",
 }
 
 
-def output_format(out: Path, requested: str | None = None, /) -> str:
+def output_format(out: Path, requested: str | None = None, /, *, directory: str = "dcp") -> str:
     """The format ``OUT``'s name says, checked against ``--format``.
 
-    ``.pt``/``.pth``/``.bin``: torch; ``.safetensors``: safetensors; no suffix: a DCP
-    directory. Another suffix says nothing, so ``--format`` must. Does not touch the
-    file system.
+    ``.pt``/``.pth``/``.bin``: torch; ``.safetensors``: safetensors; no suffix: a
+    directory, of the format ``directory`` says (``merge`` passes ``"hf"`` when the
+    checkpoint is a Hugging Face directory, so the result keeps its layout), unless
+    ``--format`` says DCP or HF. Another suffix says nothing, so ``--format`` must.
+    Does not touch the file system.
 
     Args:
         out: The output path.
         requested: ``--format`` (``None`` when not given).
+        directory: The format of a name without a suffix: ``"dcp"`` or ``"hf"``.
 
     Returns:
-        ``"torch"``, ``"safetensors"`` or ``"dcp"``.
+        ``"torch"``, ``"safetensors"``, ``"dcp"`` or ``"hf"``.
 
     Raises:
         CLIError: The name and ``--format`` disagree, or neither says a format.
@@ -400,17 +1077,21 @@ def output_format(out: Path, requested: str | None = None, /) -> str:
         >>> from dsdmerge.cli import output_format
         >>> output_format(Path("resume.pt")), output_format(Path("merged"))
         ('torch', 'dcp')
+        >>> output_format(Path("merged"), directory="hf"), output_format(Path("m"), "hf")
+        ('hf', 'hf')
     """
     suffix = out.suffix.lower()
-    named = _SUFFIX_FORMAT.get(suffix) if suffix else "dcp"
+    named = _SUFFIX_FORMAT.get(suffix) if suffix else directory
     if requested is None:
         if named is None:
             raise CLIError(
                 f"{out}: the name does not say a format ({suffix!r}); name it .pt, .pth or "
-                ".bin (torch), .safetensors, or a directory without a suffix (DCP), or pass "
-                "--format torch|safetensors|dcp"
+                ".bin (torch), .safetensors, or a directory without a suffix (DCP, or a "
+                "Hugging Face directory), or pass --format torch|safetensors|dcp|hf"
             )
         return named
+    if not suffix and requested in ("dcp", "hf"):
+        return requested
     if named is not None and named != requested:
         raise CLIError(
             f"{out}: the name says {named} but --format {requested} was given; for "
@@ -433,6 +1114,26 @@ def _not_a_dcp_checkpoint(out: Path) -> str | None:
     for name in names:
         if not _DCP_FILES.fullmatch(name):
             return f"holds {name!r}, which is not a DCP checkpoint file"
+        if not stat.S_ISREG(os.lstat(out / name).st_mode):
+            return f"holds {name!r}, which is not a regular file"
+    return None
+
+
+def _not_an_hf_checkpoint(out: Path) -> str | None:
+    """Why directory ``out`` is not a Hugging Face model directory (``None`` when it is one).
+
+    One is regular files only: ``*.safetensors`` weights (at least one), their index,
+    and the small files ``merge`` carries over (``config.json``, tokenizer files ...).
+    """
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as err:
+        return f"cannot be listed ({' '.join(str(err).split())})"
+    if not any(n.endswith(".safetensors") for n in names):
+        return "holds no .safetensors file"
+    for name in names:
+        if not (name.endswith(".safetensors") or _HF_EXTRA.fullmatch(name)):
+            return f"holds {name!r}, which is not a file of a Hugging Face model directory"
         if not stat.S_ISREG(os.lstat(out / name).st_mode):
             return f"holds {name!r}, which is not a regular file"
     return None
@@ -470,20 +1171,25 @@ def _check_out(out: Path, *, force: bool, fmt: str | None = None) -> None:
         raise CLIError(f"{out}: already exists; pass --force to replace it")
     nothing = "nothing was replaced"
     if stat.S_ISREG(mode):
-        if fmt == "dcp":
+        if fmt in ("dcp", "hf"):
+            kind = "a DCP checkpoint" if fmt == "dcp" else "a Hugging Face model"
             raise CLIError(
-                f"{out}: is a file, and a DCP checkpoint is a directory; remove it or choose "
+                f"{out}: is a file, and {kind} is a directory; remove it or choose "
                 f"another OUT ({nothing})"
             )
         return
     if stat.S_ISDIR(mode):
-        if fmt not in (None, "dcp"):
+        if fmt not in (None, "dcp", "hf"):
             raise CLIError(f"{out}: is a directory; a {fmt} checkpoint is one file ({nothing})")
-        problem = _not_a_dcp_checkpoint(out)
+        if fmt == "hf":
+            problem = _not_an_hf_checkpoint(out)
+            kind = "a Hugging Face model directory"
+        else:
+            problem = _not_a_dcp_checkpoint(out)
+            kind = "a DCP checkpoint directory"
         if problem:
             raise CLIError(
-                f"{out}: --force replaces only a DCP checkpoint directory, and this one "
-                f"{problem} ({nothing})"
+                f"{out}: --force replaces only {kind}, and this one {problem} ({nothing})"
             )
         return
     raise CLIError(
@@ -499,6 +1205,7 @@ def write_checkpoint(
     *,
     force: bool,
     metadata: Mapping[str, str] | None = None,
+    hf: HFPlan | None = None,
 ) -> None:
     """Write ``state_dict`` to ``out`` in format ``fmt``, atomically.
 
@@ -513,9 +1220,12 @@ def write_checkpoint(
     Args:
         state_dict: The state dict to write.
         out: The destination.
-        fmt: ``"torch"``, ``"safetensors"`` or ``"dcp"``.
+        fmt: ``"torch"``, ``"safetensors"``, ``"dcp"`` or ``"hf"`` (a Hugging Face
+            model directory: safetensors shards and their index).
         force: Replace an existing ``out``.
         metadata: safetensors only: the header's ``__metadata__`` strings.
+        hf: ``"hf"`` only: the shards, their metadata, the index and the files to
+            copy (by default one ``model.safetensors``).
 
     Raises:
         CLIError: ``out`` exists and ``force`` is false or it may not be replaced,
@@ -534,13 +1244,14 @@ def write_checkpoint(
         "torch": _write_torch,
         "safetensors": lambda sd, tmp: _write_safetensors(sd, tmp, metadata),
         "dcp": _write_dcp,
+        "hf": lambda sd, tmp: _write_hf(sd, tmp, hf),
     }
     if fmt not in writers:
         raise CLIError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     write = writers[fmt]
     _check_out(out, force=force, fmt=fmt)
     parent = out.parent
-    directory = fmt == "dcp"
+    directory = fmt in ("dcp", "hf")
     mode = _file_mode(out, directory=directory)
     if directory:
         tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp"))
@@ -656,6 +1367,42 @@ def _write_safetensors(
     _fsync(tmp)
 
 
+def _write_hf(state_dict: Mapping[str, Any], tmp: Path, plan: HFPlan | None) -> None:
+    """A Hugging Face model directory: shards as planned, their index, the copied files."""
+    if plan is None:
+        plan = HFPlan(
+            dict.fromkeys(state_dict, "model.safetensors"),
+            {"model.safetensors": {"format": "pt"}},
+            None,
+            {},
+            {},
+        )
+    shards: dict[str, dict[str, Any]] = {}
+    for key, value in state_dict.items():
+        shards.setdefault(plan.shard_of.get(key, "model.safetensors"), {})[key] = value
+    total = 0
+    weight_map: dict[str, str] = {}
+    for name in sorted(shards):
+        part = shards[name]
+        metadata = plan.shard_metadata.get(name) or {"format": "pt"}
+        _write_safetensors(part, tmp / name, metadata)
+        total += sum(v.numel() * v.element_size() for v in part.values())
+        weight_map.update(dict.fromkeys(part, name))
+    if plan.index is not None:
+        index = {
+            "metadata": {**plan.index_metadata, "total_size": total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        with open(tmp / plan.index, "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    for name, source in plan.extra_files.items():
+        if name not in shards and name != plan.index:
+            shutil.copyfile(source, tmp / name)
+            _fsync(tmp / name)
+
+
 def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -677,6 +1424,128 @@ def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
             f"cannot write a DCP checkpoint: {type(cause).__name__}: "
             f"{' '.join(str(cause).split())[:300]}"
         ) from None
+
+
+# -- reference -----------------------------------------------------------------------
+
+
+def _load_builder(spec: str) -> Callable[[], Any]:
+    """The function ``module:function`` or ``path/to/file.py:function`` names (imports it)."""
+    import importlib
+    import importlib.util
+
+    where, colon, name = spec.rpartition(":")
+    if not colon or not where or not name.isidentifier():
+        raise CLIError(f"BUILDER {spec!r}: expected module:function or path/to/file.py:function")
+    if where.endswith(".py") or os.sep in where:
+        path = Path(where)
+        if not path.is_file():
+            raise CLIError(f"BUILDER {spec!r}: {where} is not a file")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise CLIError(f"BUILDER {spec!r}: {where} cannot be imported")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.resolve().parent))  # its own imports, as `python file.py`
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        sys.path.insert(0, os.getcwd())  # as `python -m` finds the module
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise CLIError(f"BUILDER {spec!r}: cannot import {where}: {err}") from err
+        finally:
+            sys.path.remove(os.getcwd())
+    builder = getattr(module, name, None)
+    if not callable(builder):
+        raise CLIError(f"BUILDER {spec!r}: {where} has no function {name!r}")
+    return builder  # type: ignore[no-any-return]
+
+
+def reference_state_dict(built: Any, /, *, optimizer_layout: str = "fqn") -> dict[str, Any]:
+    """The state dicts a fresh model and optimizer hold, as ``dsdmerge reference`` writes them.
+
+    ``built`` is a model, ``(model, optimizer)``, or a dict of parts (models, optimizers,
+    other values kept as they are). A model gives ``model.state_dict()``; an optimizer
+    gives DSD's ``get_optimizer_state_dict(model, optimizer)`` (flattened with
+    ``optimizer_layout="flat"``; ``"ids"``: ``optimizer.state_dict()`` after it), whose
+    zero-gradient step gives every parameter its state: a fresh optimizer's own
+    ``state_dict()`` has none. That step changes the (fresh, throwaway) optimizer.
+
+    Args:
+        built: What the builder returned.
+        optimizer_layout: ``"flat"``, ``"fqn"`` or ``"ids"``.
+
+    Returns:
+        The state dict to save (``{"model": ..., "optim": ...}`` for a pair).
+
+    Raises:
+        CLIError: ``built`` is none of the above.
+
+    Example:
+        >>> import torch
+        >>> from dsdmerge.cli import reference_state_dict
+        >>> model = torch.nn.Linear(2, 1)
+        >>> sd = reference_state_dict((model, torch.optim.Adam(model.parameters())))
+        >>> sorted(sd), float(sd["optim"]["state"]["weight"]["step"])
+        (['model', 'optim'], 1.0)
+    """
+    import torch
+
+    if isinstance(built, torch.nn.Module):
+        return dict(built.state_dict())
+    if isinstance(built, (tuple, list)) and len(built) == 2:
+        built = {"model": built[0], "optim": built[1]}
+    if not isinstance(built, Mapping):
+        raise CLIError(
+            f"BUILDER returned a {type(built).__name__}; return a model, (model, optimizer) "
+            'or a dict such as {"model": model, "optim": optimizer}'
+        )
+    models = [v for v in built.values() if isinstance(v, torch.nn.Module)]
+    out: dict[str, Any] = {}
+    for name, value in built.items():
+        if isinstance(value, torch.nn.Module):
+            out[str(name)] = dict(value.state_dict())
+        elif isinstance(value, torch.optim.Optimizer):
+            if len(models) != 1:
+                raise CLIError(
+                    f"BUILDER returned {len(models)} models next to optimizer {name!r}; "
+                    "return the one model its parameters belong to"
+                )
+            out[str(name)] = _optimizer_reference(models[0], value, optimizer_layout)
+        else:
+            out[str(name)] = value
+    return out
+
+
+def _optimizer_reference(model: Any, optimizer: Any, layout: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=layout == "flat")
+    osd = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    return dict(optimizer.state_dict()) if layout == "ids" else osd
+
+
+def _reference(args: argparse.Namespace) -> int:
+    import dsdmerge as dm
+
+    out = Path(args.out)
+    fmt = output_format(out, args.format)
+    _check_out(out, force=args.force, fmt=fmt)
+    built = _load_builder(args.builder)()
+    state_dict = reference_state_dict(built, optimizer_layout=args.optimizer_layout)
+    write_checkpoint(state_dict, out, fmt, force=args.force)
+    n = len(dm.flatten(state_dict))
+    if isinstance(built, (Mapping, tuple, list)):
+        print(f"wrote {out} ({fmt}, {n:,} keys; parts {', '.join(map(repr, state_dict))})")
+    else:
+        print(f"wrote {out} ({fmt}, {n:,} keys: the model's state_dict())")
+    return EXIT_OK
 
 
 # -- demo ----------------------------------------------------------------------------
@@ -707,30 +1576,52 @@ def _one_line(err: BaseException) -> str:
 
 
 _DESCRIPTION = """\
-Inspect, diff and merge PyTorch checkpoint state dicts.
+Inspect, diff, check and merge PyTorch checkpoint state dicts.
 
-PATH, CHECKPOINT and REFERENCE may be a torch .pt/.pth/.bin file, a .safetensors file
-or a torch.distributed.checkpoint (DCP) directory. inspect and diff read metadata only
-(no tensor bytes). Torch files load with weights_only=True and DCP .metadata through a
-restricted unpickler: a pickle that would run code is refused (exit 2), never run.
+PATH, CHECKPOINT and REFERENCE may be a torch .pt/.pth/.bin file, a .safetensors file,
+a torch.distributed.checkpoint (DCP) directory, or a Hugging Face model directory
+(save_pretrained: model.safetensors, or shards and model.safetensors.index.json; or
+the index file itself). inspect, diff and check read metadata only (no tensor bytes).
+Torch files load with weights_only=True and DCP .metadata through a restricted
+unpickler: a pickle that would run code is refused (exit 2), never run. --key PATH
+picks one part of a whole checkpoint ({"model": ..., "optim": ..., "step": ...}).
 
-Exit status: 0 success (diff: no differences), 1 diff: differences / merge: rejected
-by the policy (nothing written), 2 error (one line on stderr).
+Exit status: 0 success (diff: nothing differs but what is allowed; check: the policy
+accepts), 1 diff: differences / check, merge: rejected by the policy (nothing
+written), 2 error (one line on stderr).
 """
 
 _EXAMPLES = {
     "inspect": """\
 examples:
   dsdmerge inspect step-1000.pt
-  dsdmerge inspect checkpoints/step-1000/            # a DCP directory
-  dsdmerge inspect model.safetensors --json | jq .layout
+  dsdmerge inspect checkpoints/step-1000/             # a DCP directory
+  dsdmerge inspect Llama-3-8B/                        # a Hugging Face model directory
+  dsdmerge inspect step-1000.pt --key optim --stat    # one part; counts per top-level key
+  dsdmerge inspect model.safetensors --only 'layers.0.*' --json | jq .patterns
 """,
     "diff": """\
 examples:
   dsdmerge diff step-1000.pt fresh.pt
   dsdmerge diff checkpoints/step-1000/ fresh/ --limit 30
+  dsdmerge diff full-step-1000.pt model.safetensors --ckpt-key model
   dsdmerge diff old.safetensors new.safetensors --json | jq '.missing | length'
-  dsdmerge diff a.pt b.pt > /dev/null || echo "they differ (or an error: exit 2)"
+  dsdmerge diff step-1000.pt fresh.pt --allow-missing 'state.*.indexer.*' && echo ok
+  dsdmerge diff a.pt b.pt --ignore-values > /dev/null || echo "keys, shapes or dtypes differ"
+
+Non-tensor values (lr, betas, weight_decay, step) are compared too: a changed value
+is a difference (exit 1) unless --ignore-values. With --allow-missing/--allow-unexpected
+the exit status is 0 when every remaining difference is allowed.
+""",
+    "check": """\
+examples:
+  dsdmerge check step-1000.pt fresh.pt --policy strict --allow-missing 'state.*.indexer.*'
+  dsdmerge check ckpt/ fresh/ --key optim --policy strict --json | jq .backfilled
+  dsdmerge check old/ new/ --on-shape-mismatch resize --policy strict || exit 1
+
+A dry run of merge for CI: the policy's verdict (exit 0 accepts, 1 rejects, 2 error)
+and what the merge would do (--json: "backfilled", "kept", "dropped", "resized",
+"replaced", "cast", "renamed", "errors", "warnings"), from metadata only.
 """,
     "merge": """\
 examples:
@@ -740,20 +1631,40 @@ examples:
   dsdmerge merge ckpt/ fresh/ -o merged/ --policy warn --allow-unexpected 'ema.*' --force
   dsdmerge merge old.safetensors new.safetensors -o grown.safetensors \\
       --on-shape-mismatch resize      # a model that grew: keep every trained row
+  dsdmerge merge Llama-old/ Llama-new/ -o Llama-merged   # HF shards and index, as the checkpoint's
+  dsdmerge merge full-step-1000.pt fresh-model.pt -o resumable.pt --ckpt-key model
   dsdmerge merge ddp-step-1000.pt fresh.pt -o resumable.pt --strip-prefix module.
   dsdmerge merge old.pt new.pt -o renamed.pt --rename '\\.attn\\.wq\\.=.attn.q_proj.'
 
 The result has the checkpoint's layout, in the format OUT's name says (.pt/.pth/.bin
-torch, .safetensors, a directory without a suffix DCP; --format must agree): every
-checkpoint value kept, every key only the reference has taken from it. OUT is written
-atomically (a temporary next to it, renamed when complete) and never replaced without
---force; --force replaces only a checkpoint file or a DCP checkpoint directory.
+torch, .safetensors, a directory without a suffix: DCP, or a Hugging Face directory
+when the checkpoint is one; --format must agree): every checkpoint value kept, every
+key only the reference has taken from it. With --ckpt-key (or --key) the whole
+checkpoint is written, its part at that key merged. OUT is written atomically (a
+temporary next to it, renamed when complete) and never replaced without --force;
+--force replaces only a checkpoint file or a DCP or Hugging Face checkpoint directory.
+""",
+    "reference": """\
+examples:
+  dsdmerge reference train.py:build -o fresh.pt --optimizer-layout flat
+  dsdmerge reference my_project.model:make_model -o fresh-model.safetensors
+
+BUILDER is your function (module:function or file.py:function, run with no arguments)
+that returns a model, (model, optimizer), or a dict such as {"model": model, "optim":
+optimizer, "step": 0}. OUT gets what a fresh model and optimizer hold: model.state_dict(),
+and DSD's get_optimizer_state_dict (a fresh optimizer's own state_dict() has no state;
+DSD's zero-gradient step gives every parameter its state, Adam step == 1). This runs
+BUILDER's code, and the step changes the throwaway optimizer only.
 """,
     "demo": """\
 example:
   dsdmerge demo
 """,
 }
+
+_PRESET_NAMES = ("ddp", "compile", "checkpoint_wrapper", "fsdp1", "peft", "lora")
+"""``--preset`` choices: the names of ``dsdmerge.RENAME_PRESETS``, spelled here so that
+building the parser imports nothing heavy (a test keeps the two equal)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -784,6 +1695,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"key patterns shown per section (default: {_LIMIT})",
         )
+        p.add_argument(
+            "--color",
+            choices=("auto", "always", "never"),
+            default="auto",
+            help="colours: auto (default) on a terminal, unless NO_COLOR is set; "
+            "FORCE_COLOR forces them in auto",
+        )
         p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
         p.add_argument(
             "--safe-globals",
@@ -795,36 +1713,136 @@ def build_parser() -> argparse.ArgumentParser:
             "named classes and functions, which must be safe to call",
         )
 
+    def keys(p: argparse.ArgumentParser, *, sides: bool) -> None:
+        p.add_argument(
+            "--key",
+            metavar="PATH",
+            help="use one part of a whole checkpoint: a dot-separated path such as 'model', "
+            "'optim' or 'optim.state'"
+            + (" (for both sides; --ckpt-key/--ref-key for one)" if sides else ""),
+        )
+        if sides:
+            p.add_argument("--ckpt-key", metavar="PATH", help="--key for the checkpoint only")
+            p.add_argument("--ref-key", metavar="PATH", help="--key for the reference only")
+
+    def filters(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--only",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help="report only keys matching this glob or pattern (as reports print them); "
+            "repeatable",
+        )
+        p.add_argument(
+            "--exclude",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help="leave keys matching this glob or pattern out of the report; repeatable",
+        )
+        p.add_argument("--stat", action="store_true", help="add counts per top-level key")
+
+    def allow(p: argparse.ArgumentParser, *, what: str) -> None:
+        p.add_argument(
+            "--allow-missing",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help=f"keys the checkpoint may lack{what}: an fnmatch glob over flat keys (* "
+            "crosses dots) or a pattern as reports print it ('layers.{0..5}.indexer."
+            "{bias,weight}'); repeatable; a glob that matches nothing is reported",
+        )
+        p.add_argument(
+            "--allow-unexpected",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help="keys the reference may lack, as for --allow-missing; repeatable",
+        )
+
+    def policy(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--policy",
+            choices=("default", "strict", "warn"),
+            default="default",
+            help="default: backfill and keep quietly; warn: the same, with warnings; strict: "
+            "fail on any difference not allowed (default: default)",
+        )
+        p.add_argument(
+            "--on-shape-mismatch",
+            choices=("raise", "take-reference", "resize"),
+            default="raise",
+            help="a tensor whose shape differs: fail (default); resize, for a model that grew "
+            "or shrank (vocabulary, experts, a wider head): keep the checkpoint's overlapping "
+            "slice of the tensor and of its optimizer moments, the rest from the reference "
+            "(same rank only); take-reference: take the reference's tensor with a warning "
+            "(the trained values are dropped)",
+        )
+
     inspect = add(
         "inspect",
         "layout, counts, bytes, dtypes and key patterns of a checkpoint",
-        "Show a checkpoint's format, layout, key count, tensor count and bytes, dtypes and "
-        "its keys compressed into exact patterns, from its metadata only.",
+        "Show a checkpoint's format, layout, key count, tensor count and bytes, dtypes, "
+        "metadata and its keys compressed into exact patterns, from its metadata only.",
     )
-    inspect.add_argument("path", metavar="PATH", help="checkpoint file or DCP directory")
+    inspect.add_argument(
+        "path", metavar="PATH", help="checkpoint file, DCP or Hugging Face directory"
+    )
+    keys(inspect, sides=False)
+    filters(inspect)
     common(
         inspect,
-        json_help='print JSON: "path", "format", "layout", "keys" (the count), "tensors", '
-        '"bytes", "dtypes", "patterns"',
+        json_help='print JSON: "path", "key", "format", "layout", "keys" (the count), '
+        '"tensors", "bytes", "dtypes", "metadata", "patterns" (and "stat")',
     )
     inspect.set_defaults(func=_inspect)
 
     diff = add(
         "diff",
         "what differs between a checkpoint and a reference",
-        "Report keys missing from the checkpoint, keys unexpected in it and tensors whose "
-        "shape or dtype differ, compressed into exact patterns (every key a pattern names "
-        "exists). Reads metadata only. Exit 0: nothing differs, 1: something does, 2: error.",
+        "Report keys missing from the checkpoint, keys unexpected in it, tensors whose "
+        "shape or dtype differ and non-tensor values that differ, compressed into exact "
+        "patterns (every key a pattern names exists). Reads metadata only. Exit 0: nothing "
+        "differs (but what is allowed), 1: something does, 2: error.",
     )
     diff.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint you resume from")
     diff.add_argument("reference", metavar="REFERENCE", help="the state dict you have now")
+    keys(diff, sides=True)
+    filters(diff)
+    diff.add_argument(
+        "--ignore-values",
+        action="store_true",
+        help="compare keys, shapes and dtypes only, not non-tensor values (lr, step ...)",
+    )
+    allow(diff, what=" (exit 0 if only allowed differences remain)")
     common(
         diff,
-        json_help='print JSON with lists "missing", "unexpected", "mismatched" (every key) '
-        'and a compressed "summary"',
+        json_help='print JSON with lists "missing", "unexpected", "mismatched", "changed" '
+        '({"key", "checkpoint", "reference"}), "allowed", and a compressed "summary"',
     )
     _add_rename_options(diff)
     diff.set_defaults(func=_diff)
+
+    check = add(
+        "check",
+        "the policy's verdict on a merge, without merging (for CI)",
+        "Apply a policy to what differs between CHECKPOINT and REFERENCE and say what a "
+        "merge would do, from metadata only; nothing is written. Exit 0: the policy "
+        "accepts, 1: it rejects, 2: error.",
+    )
+    check.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint you resume from")
+    check.add_argument("reference", metavar="REFERENCE", help="the state dict you have now")
+    keys(check, sides=True)
+    policy(check)
+    allow(check, what="")
+    _add_rename_options(check)
+    common(
+        check,
+        json_help='print JSON: "accepted", "errors", "warnings", and what the merge would '
+        'do: "backfilled", "kept", "dropped", "resized", "replaced", "cast", "renamed"',
+    )
+    check.set_defaults(func=_check)
 
     merge = add(
         "merge",
@@ -840,7 +1858,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="OUT",
         help="where to write; the name says the format: .pt/.pth/.bin torch, .safetensors, "
-        "a directory without a suffix DCP",
+        "a directory without a suffix DCP (a Hugging Face directory when the checkpoint is "
+        "one)",
     )
     merge.add_argument(
         "--format",
@@ -848,46 +1867,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the format to write; must agree with OUT's name (default: what the name says)",
     )
-    merge.add_argument(
-        "--policy",
-        choices=("default", "strict", "warn"),
-        default="default",
-        help="default: backfill and keep quietly; warn: the same, with warnings; strict: "
-        "fail on any difference not allowed below (default: default)",
-    )
-    merge.add_argument(
-        "--allow-missing",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="keys the checkpoint may lack (fnmatch over flat keys, * crosses dots); repeatable",
-    )
-    merge.add_argument(
-        "--allow-unexpected",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="keys the reference may lack; repeatable",
-    )
-    merge.add_argument(
-        "--on-shape-mismatch",
-        choices=("raise", "take-reference", "resize"),
-        default="raise",
-        help="a tensor whose shape differs: fail (default); resize, for a model that grew or "
-        "shrank (vocabulary, experts, a wider head): keep the checkpoint's overlapping slice of "
-        "the tensor and of its optimizer moments, the rest from the reference (same rank only); "
-        "take-reference: take the reference's tensor with a warning (the trained values are "
-        "dropped)",
-    )
+    keys(merge, sides=True)
+    policy(merge)
+    allow(merge, what="")
     _add_rename_options(merge)
     merge.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP "
-        "checkpoint directory (.metadata and .distcp files only); never anything else",
+        help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP or "
+        "Hugging Face checkpoint directory (only their own files); never anything else",
     )
     common(merge, json_help=None)
     merge.set_defaults(func=_merge)
+
+    reference = add(
+        "reference",
+        "write what a fresh model and optimizer hold: the REFERENCE for diff/check/merge",
+        "Run BUILDER (your function) and write the state dicts of the fresh model and "
+        "optimizer it returns, the optimizer's as DSD's get_optimizer_state_dict makes it.",
+    )
+    reference.add_argument(
+        "builder", metavar="BUILDER", help="module:function or path/to/file.py:function"
+    )
+    reference.add_argument("-o", "--out", required=True, metavar="OUT", help="where to write")
+    reference.add_argument(
+        "--optimizer-layout",
+        choices=("flat", "fqn", "ids"),
+        default="fqn",
+        help="flat: DSD's flatten_optimizer_state_dict=True form; fqn (default): DSD's "
+        "nested form keyed by fqn; ids: optimizer.state_dict() (int ids), after DSD's step",
+    )
+    reference.add_argument(
+        "--format", choices=FORMATS, default=None, help="as for merge (default: OUT's name)"
+    )
+    reference.add_argument("--force", action="store_true", help="replace OUT, as for merge")
+    reference.set_defaults(func=_reference)
 
     demo = add(
         "demo",

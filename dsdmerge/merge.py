@@ -31,7 +31,7 @@ from dsdmerge.layout import (
     classify,
     is_optimizer_state_dict,
 )
-from dsdmerge.policy import Action, InvalidPolicyError, Policy, matcher, resolve_policy
+from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.rename import Rules, rename_checkpoint
 from dsdmerge.report import format_keys, format_mismatches, format_resized
 from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
@@ -64,7 +64,7 @@ def merge(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -155,7 +155,7 @@ def merge_with_diff(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -204,7 +204,7 @@ def check(
     reference: Mapping[Any, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -261,7 +261,7 @@ def check(
 def _merge(
     checkpoint: Mapping[Any, Any],
     reference: Mapping[Any, Any],
-    policy: str | Policy,
+    policy: PolicyName | Policy,
     allow_missing: str | Iterable[str],
     allow_unexpected: str | Iterable[str],
     *,

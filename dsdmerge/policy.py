@@ -22,7 +22,8 @@ matches no key
 ========================  ===========  ============  ============
 
 Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
-keys) are backfilled / kept without a word under every policy.
+keys, or exact patterns as reports print them, ``layers.{0..5}.indexer.{bias,weight}``)
+are backfilled / kept without a word under every policy.
 """
 
 from __future__ import annotations
@@ -33,16 +34,30 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args
 
-from dsdmerge._values import short_repr
-from dsdmerge.errors import InvalidPolicyError
+from dsdmerge._text import short_repr
+from dsdmerge.errors import InvalidPolicyError, PatternError
+from dsdmerge.report import parse_pattern
 
-__all__ = ["DEFAULT", "STRICT", "WARN", "Action", "InvalidPolicyError", "Policy", "resolve_policy"]
+__all__ = [
+    "DEFAULT",
+    "STRICT",
+    "WARN",
+    "Action",
+    "InvalidPolicyError",
+    "Policy",
+    "PolicyName",
+    "resolve_policy",
+]
 
 Action = Literal["ignore", "warn", "raise"]
 """What a policy does about a difference: ``"ignore"`` it, ``"warn"`` (a
 :class:`~dsdmerge.DSDMergeWarning`) or ``"raise"`` (a :class:`~dsdmerge.MergeError`)."""
 
 _ACTIONS = get_args(Action)
+
+PolicyName = Literal["default", "warn", "strict"]
+"""The built-in policies by name. Every ``policy=`` takes one of them or a :class:`Policy`,
+typed ``PolicyName | Policy`` so that a type checker catches ``policy="stric"``."""
 
 
 def _globs(value: str | Iterable[str], name: str) -> tuple[str, ...]:
@@ -81,10 +96,10 @@ class Policy:
             wrapper's prefix such as DDP's ``module.``, or another model): a
             merge would keep none of it. Not raised when allow-lists cover every
             differing key.
-        allow_missing: fnmatch globs over flat keys; matching missing keys are
-            backfilled without a word.
-        allow_unexpected: fnmatch globs over flat keys; matching unexpected keys
-            are kept without a word.
+        allow_missing: fnmatch globs over flat keys, or patterns as reports print
+            them; matching missing keys are backfilled without a word.
+        allow_unexpected: fnmatch globs over flat keys, or patterns as reports
+            print them; matching unexpected keys are kept without a word.
         drop_unexpected: Leave unexpected keys out of the result instead of
             keeping them (for a strict ``load_state_dict``).
         name: A label for messages.
@@ -152,12 +167,55 @@ class Policy:
         return matcher(self.allow_unexpected)(key)
 
 
-def matcher(globs: tuple[str, ...]) -> Callable[[str], bool]:
-    """One compiled regex for a tuple of fnmatch globs (case-sensitive, ``*`` crosses dots)."""
-    if not globs:
+def matcher(globs: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a key matches one of ``globs``, through one compiled regex.
+
+    Each entry is an fnmatch glob (case-sensitive, ``*`` crosses dots) and, when it
+    parses as one, also an exact pattern as reports print them
+    (``layers.{0..5}.indexer.{bias,weight}``: see :mod:`dsdmerge.report`), in which
+    ``*`` and ``?`` still work as in a glob (``layers.{3,5}.experts.{8..11}.*``): a key
+    matches if it matches either reading, so a pattern copied from a report allows
+    exactly its keys.
+
+    Example:
+        >>> from dsdmerge.policy import matcher
+        >>> allowed = matcher(["layers.{0..2}.indexer.{bias,weight}", "ema.*"])
+        >>> allowed("layers.1.indexer.bias"), allowed("layers.3.indexer.bias"), allowed("ema.w")
+        (True, False, True)
+        >>> matcher(["layers.{3,5}.experts.{8..11}.*"])("layers.5.experts.9.w1.weight")
+        True
+    """
+    alternatives = []
+    for glob in globs:
+        alternatives.append(fnmatch.translate(glob))
+        exact = pattern_regex(glob)
+        if exact is not None:
+            alternatives.append(exact)
+    if not alternatives:
         return _never
-    pattern = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs))
+    pattern = re.compile("|".join(f"(?:{a})" for a in alternatives))
     return lambda key: pattern.match(key) is not None
+
+
+def pattern_regex(text: str) -> str | None:
+    """The regex of a report's pattern text, or ``None`` when ``text`` is not one.
+
+    Only texts with a brace group or an escape are read as patterns (a plain text
+    means the same as a glob without wildcards).
+    """
+    if "{" not in text and "\\" not in text:
+        return None
+
+    try:
+        segments = parse_pattern(text).segments
+    except PatternError:
+        return None
+    return r"\.".join("(?:" + "|".join(map(_glob_part, alts)) + ")" for alts in segments) + r"\Z"
+
+
+def _glob_part(text: str) -> str:
+    """An alternative of a pattern as a regex: ``*`` and ``?`` as in a glob, the rest literal."""
+    return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text)
 
 
 def _never(key: str) -> bool:
@@ -185,7 +243,7 @@ _NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
 
 
 def resolve_policy(
-    policy: str | Policy,
+    policy: PolicyName | Policy,
     /,
     *,
     allow_missing: str | Iterable[str] = (),

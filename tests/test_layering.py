@@ -24,11 +24,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dsdmerge"
 LAYERS = [
     # foundations: errors, text, leaf values, policies, layouts, report text
     "dsdmerge.errors",
+    "dsdmerge._gc",
+    "dsdmerge._paths",
     "dsdmerge._text",
     "dsdmerge._values",
+    "dsdmerge.report",
     "dsdmerge.policy",
     "dsdmerge.layout",
-    "dsdmerge.report",
     # the records everything below the verbs produces
     "dsdmerge._records",
     # the engine, one module per concept
@@ -52,6 +54,7 @@ LAYERS = [
     # what the integrations may use of the core
     "dsdmerge._core",
     # integrations
+    "dsdmerge.integrations._files",
     "dsdmerge.integrations._dcp_metadata",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",

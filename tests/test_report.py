@@ -95,7 +95,26 @@ def test_pattern_text_parses_back_to_the_same_keys(keys):
 def test_compression_depends_only_on_the_set_of_keys(keys, rnd):
     shuffled = list(keys) * 2
     rnd.shuffle(shuffled)
-    assert compress(shuffled) == compress(keys)
+    expected = compress(keys)
+    assert compress(shuffled) == expected
+    # a mapping's keys and a set are taken as they are (no copy): same patterns
+    assert compress(dict.fromkeys(shuffled)) == expected
+    assert compress(frozenset(shuffled)) == expected
+    assert compress(dict.fromkeys(shuffled).keys(), max_parts=2) == compress(keys, max_parts=2)
+
+
+def test_compress_leaves_the_collector_as_it_was():
+    import gc
+
+    assert gc.isenabled()
+    compress([f"layers.{i}.w" for i in range(100)])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        compress([f"layers.{i}.w" for i in range(100)])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @given(

@@ -8,28 +8,35 @@ the checkpoint is trusted.
 :mod:`dsdmerge.integrations.resume` is the one call a trainer makes on resume:
 :func:`resume_optimizer`, :func:`resume_model`, and :func:`load_dcp` for DCP
 directories (policy-checked, scoped partial loads).
+
+Names are imported from their modules on first use (PEP 562), so that the command line
+can read a safetensors header or a Hugging Face directory without importing torch.
 """
 
 from __future__ import annotations
 
-# Reading checkpoints
-from dsdmerge.integrations.checkpoints import (
-    CheckpointFormat,
-    CheckpointView,
-    detect_format,
-    load_checkpoint,
-    read_metadata,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# Resuming
-from dsdmerge.integrations.resume import (
-    DCPLoad,
-    Fresh,
-    backfill_optimizer_state,
-    load_dcp,
-    resume_model,
-    resume_optimizer,
-)
+if TYPE_CHECKING:
+    # Reading checkpoints
+    from dsdmerge.integrations.checkpoints import (
+        CheckpointFormat,
+        CheckpointView,
+        detect_format,
+        load_checkpoint,
+        read_metadata,
+    )
+
+    # Resuming
+    from dsdmerge.integrations.resume import (
+        DCPLoad,
+        Fresh,
+        backfill_optimizer_state,
+        load_dcp,
+        resume_model,
+        resume_optimizer,
+    )
 
 __all__ = [
     # Reading checkpoints
@@ -46,3 +53,21 @@ __all__ = [
     "resume_model",
     "resume_optimizer",
 ]
+
+_HOME = {
+    **dict.fromkeys(__all__[:5], "checkpoints"),
+    **dict.fromkeys(__all__[5:], "resume"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'dsdmerge.integrations' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dsdmerge.integrations.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

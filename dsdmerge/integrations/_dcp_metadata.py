@@ -60,8 +60,6 @@ objects are most of ``pickle.load``'s time at DeepSeek-V3 scale.
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import io
 import itertools
 import operator
@@ -69,11 +67,11 @@ import pathlib
 import pickle
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any, Final
 
 import torch
 
+from dsdmerge._gc import gc_paused
 from dsdmerge.errors import CheckpointReadError, UnsafeCheckpointError
 
 __all__ = ["MAX_DIMS", "MAX_TUPLE", "load_metadata"]
@@ -754,34 +752,7 @@ def _check_planner(planner: Any, budget: int) -> None:
 # --------------------------------------------------------------------------------------
 
 
-_GC_LOCK = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while millions of acyclic objects are built.
-
-    The objects the unpickler makes hold no cycles (validation refuses anything else),
-    so collections during the load find nothing, but they traverse everything built so
-    far: they are ~70% of ``pickle.load``'s time at DeepSeek-V3 scale. Reads in several
-    threads share one pause (counted under a lock); the collector's state is restored
-    when the last one ends, exactly as it was when the first began.
-    """
-    global _gc_pausers, _gc_was_enabled
-    with _GC_LOCK:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
+_gc_paused = gc_paused  # the collector's pause, shared with compress (see dsdmerge._gc)
 
 
 def load_metadata(data: bytes, *, where: str) -> Any:

@@ -163,7 +163,7 @@ def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
 # parameter names
 
 
-class FlatParameters(DSDMergeError, ValueError):
+class FlatParameters(LayoutError):
     """A parameter that stands for several fqns (FSDP1 without ``use_orig_params``)."""
 
 
@@ -188,7 +188,13 @@ def param_fqns(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, 
                 continue
             fqns = _get_fqns(part, name)
             if len(fqns) != 1:
-                raise FlatParameters(f"{name!r} stands for {len(fqns)} parameters")
+                raise FlatParameters(
+                    f"parameter {name!r} of the model stands for {len(fqns)} parameters (FSDP1's "
+                    "flat parameters, use_orig_params=False), whose optimizer state only FSDP's "
+                    "own collectives can map to fqns: wrap the model with use_orig_params=True (or "
+                    "FSDP2's fully_shard), or merge by hand with dsdmerge.merge over "
+                    "get_optimizer_state_dict and load with set_optimizer_state_dict"
+                )
             out.setdefault(id(p), next(iter(fqns)))
     return out
 

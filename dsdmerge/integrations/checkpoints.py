@@ -1,12 +1,15 @@
 """Reading checkpoints safely: metadata-only views and full loads, without running pickled code.
 
-Three formats are understood:
+Four formats are understood:
 
 * ``"dcp"``: a ``torch.distributed.checkpoint`` directory (it holds a
   ``.metadata`` file);
 * ``"torch"``: a ``torch.save`` file (``.pt``, ``.pth``, ``.bin``, or any file
   that is a torch zip archive or a pickle);
-* ``"safetensors"``: a ``.safetensors`` file.
+* ``"safetensors"``: a ``.safetensors`` file;
+* ``"hf"``: a Hugging Face model directory (``save_pretrained``: ``model.safetensors``,
+  or shards listed by ``model.safetensors.index.json``), or that index file
+  (see :mod:`dsdmerge.integrations._files`, which reads them without torch).
 
 :func:`read_metadata` returns a :class:`CheckpointView`, a read-only flat
 mapping of every key (spelled as :func:`dsdmerge.flatten` spells the loaded
@@ -42,26 +45,39 @@ import io
 import itertools
 import operator
 import os
-import pathlib
 import pickle
 import re
 import stat
-import struct
 import threading
 import warnings
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final
 
 import torch
 
+from dsdmerge._paths import part_of, select_flat, top_level
 from dsdmerge.diff import TensorMeta, dtype_name
 from dsdmerge.errors import (
     CheckpointReadError,
     DSDMergeError,
     InvalidPolicyError,
+    LayoutError,
     UnsafeCheckpointError,
 )
 from dsdmerge.flatten import flatten
+from dsdmerge.integrations._files import (
+    DTYPES,
+    METADATA_FILE,
+    ZIP_MAGIC,
+    CheckpointFormat,
+    HFLayout,
+    detect_format,
+    hf_header,
+    hf_layout,
+    safetensors_header,
+)
+from dsdmerge.integrations._files import reading as _reading
+from dsdmerge.integrations._files import reason as _reason
 from dsdmerge.layout import Layout, classify
 
 __all__ = [
@@ -73,12 +89,8 @@ __all__ = [
     "read_metadata",
 ]
 
-CheckpointFormat = Literal["dcp", "torch", "safetensors"]
-"""The checkpoint formats :func:`detect_format` tells apart."""
-
-_TORCH_SUFFIXES: Final = frozenset({".pt", ".pth", ".bin"})
-_ZIP_MAGIC: Final = b"PK\x03\x04"
-_METADATA_FILE: Final = ".metadata"
+_ZIP_MAGIC: Final = ZIP_MAGIC
+_METADATA_FILE: Final = METADATA_FILE
 _TRUST_HINT: Final = (
     "Pass trusted=True only if you trust where this checkpoint came from (it runs the pickle)"
 )
@@ -290,86 +302,9 @@ def _nbytes(meta: TensorMeta) -> int:
 # formats
 
 
-def detect_format(path: str | os.PathLike[str], /) -> CheckpointFormat:
-    """Tell which kind of checkpoint ``path`` is, from its name and first bytes.
-
-    A directory holding a ``.metadata`` file is ``"dcp"``; a ``.safetensors``
-    file is ``"safetensors"``; a ``.pt``/``.pth``/``.bin`` file, or any file
-    that starts like a torch zip archive or a pickle, is ``"torch"``; a file
-    whose first bytes are a safetensors header is ``"safetensors"``. Reads at
-    most the first 9 bytes of a file.
-
-    Args:
-        path: A file or directory.
-
-    Returns:
-        ``"dcp"``, ``"torch"`` or ``"safetensors"``.
-
-    Raises:
-        CheckpointReadError: ``path`` does not exist, cannot be read, or is none
-            of the three formats.
-
-    Example:
-        >>> import tempfile, torch
-        >>> from dsdmerge.integrations import detect_format
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     torch.save({"w": torch.zeros(1)}, f"{tmp}/weights")  # no suffix: sniffed
-        ...     detect_format(f"{tmp}/weights")
-        'torch'
-    """
-    p = pathlib.Path(path)
-    where = str(path)
-    try:
-        if p.is_dir():
-            if (p / _METADATA_FILE).is_file():
-                return "dcp"
-            if os.path.lexists(p / _METADATA_FILE):
-                raise CheckpointReadError(
-                    f"{where}: its {_METADATA_FILE} is not a regular file", path=where
-                )
-            raise CheckpointReadError(
-                f"{where}: a directory without a {_METADATA_FILE} file is not a DCP checkpoint "
-                "(was the save interrupted?)",
-                path=where,
-            )
-        if not p.exists():
-            raise CheckpointReadError(f"{where}: no such file or directory", path=where)
-        # never block on a FIFO or read a device: only regular files are checkpoints
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise CheckpointReadError(
-                    f"{where}: not a regular file (a checkpoint is a file or a DCP directory)",
-                    path=where,
-                )
-            suffix = p.suffix.lower()
-            if suffix == ".safetensors":
-                return "safetensors"
-            if suffix in _TORCH_SUFFIXES:
-                return "torch"
-            head = f.read(9)
-    except OSError as err:
-        if isinstance(err, CheckpointReadError):
-            raise
-        raise CheckpointReadError(f"{where}: cannot be read: {_reason(err)}", path=where) from err
-    if head.startswith(_ZIP_MAGIC):
-        return "torch"
-    # a safetensors header first: its 8-byte length starts with 0x80 in 1 file of 256
-    if len(head) == 9 and head[8:9] == b"{":
-        (length,) = struct.unpack("<Q", head[:8])
-        if 8 + length <= info.st_size:
-            return "safetensors"
-    if head[:1] == b"\x80":
-        return "torch"
-    raise CheckpointReadError(
-        f"{where}: unknown checkpoint format (not a DCP directory, a torch zip/pickle or "
-        "safetensors; name it .pt, .pth, .bin or .safetensors if it is one of them)",
-        path=where,
-    )
-
-
-def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) -> CheckpointView:
+def read_metadata(
+    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+) -> CheckpointView:
     """Read a checkpoint's keys, shapes and dtypes without reading tensor data.
 
     * DCP directory: the ``.metadata`` file only, through a restricted unpickler
@@ -386,6 +321,12 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
     * safetensors file: the header, read and validated by the ``safetensors``
       library (``safe_open``); its ``__metadata__`` is the view's ``metadata``.
 
+    * Hugging Face model directory (``save_pretrained``: ``model.safetensors``, or
+      shards and ``model.safetensors.index.json``; or the index file itself): every
+      shard's header, checked against the index (each key in the shard the index
+      says, and in no other); the index's ``"metadata"`` and the first shard's
+      ``__metadata__`` are the view's ``metadata``.
+
     Does not modify the checkpoint.
 
     Args:
@@ -395,6 +336,9 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
             bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
             only DCP's own classes). ``True``: unpickle without restriction (runs any
             code the pickle holds); only for checkpoints whose origin you trust.
+        key: A dot-separated path to one part of a whole checkpoint (``"model"``,
+            ``"optim"``, ``"optim.state"``): the view is of that part only, keyed
+            as :func:`dsdmerge.flatten` of the part would be.
 
     Returns:
         A :class:`CheckpointView`.
@@ -404,13 +348,14 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
             unknown format.
         UnsafeCheckpointError: A pickle references something outside the
             allow-list (nothing in it has run).
+        LayoutError: Nothing is at ``key`` (the message lists what is there).
 
     Example:
         >>> import tempfile, torch, dsdmerge as dm
         >>> from dsdmerge.integrations import read_metadata
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     torch.save({"w": torch.zeros(2)}, f"{tmp}/ckpt.pt")
-        ...     view = read_metadata(f"{tmp}/ckpt.pt")
+        ...     torch.save({"model": {"w": torch.zeros(2)}, "step": 3}, f"{tmp}/ckpt.pt")
+        ...     view = read_metadata(f"{tmp}/ckpt.pt", key="model")
         >>> dm.diff(view, {"w": torch.zeros(2), "head": torch.zeros(3)}).missing
         ('head',)
     """
@@ -419,26 +364,38 @@ def read_metadata(path: str | os.PathLike[str], /, *, trusted: Trust = False) ->
     with _reading(where):
         fmt = detect_format(path)
         if fmt == "dcp":
-            return read_dcp_metadata(where, trusted=trust)[0]
+            view, metadata = read_dcp_metadata(where, trusted=trust)
+            if key is None:
+                return view
+            return CheckpointView(
+                select_flat(view, key),
+                path=where,
+                format=fmt,
+                layout=_dcp_part_layout(metadata, key),
+            )
         if fmt == "torch":
-            entries, layout = _torch_entries(where, trusted=trust)
+            entries, layout = _torch_entries(where, trusted=trust, key=key)
             return CheckpointView(entries, path=where, format=fmt, layout=layout)
-        st_entries, metadata = _safetensors_header(where)
+        if fmt == "hf":
+            hf_entries, metadata, _shards = hf_header(hf_layout(where), where=where)
+            st_entries = {k: TensorMeta(s, _torch_dtype(c)) for k, (s, c) in hf_entries.items()}
+        else:
+            st_entries, metadata = _safetensors_header(where)
+        if key is not None:
+            st_entries = select_flat(st_entries, key)
         return CheckpointView(st_entries, path=where, format=fmt, metadata=metadata)
 
 
-@contextlib.contextmanager
-def _reading(where: str) -> Iterator[None]:
-    """The readers' last line: whatever a crafted file provokes leaves as a CheckpointReadError."""
-    try:
-        yield
-    except DSDMergeError:
-        raise
-    except Exception as err:  # RecursionError, MemoryError, a library's own error ...
-        raise CheckpointReadError(
-            f"{where}: cannot be read (corrupt or crafted?): {type(err).__name__}: {_reason(err)}",
-            path=where,
-        ) from err
+def _dcp_part_layout(metadata: Any, key: str) -> Layout:
+    """Whether the part of a DCP checkpoint at ``key`` was saved nested."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    for path in paths.values():
+        if isinstance(path, (list, tuple)):
+            text = [str(p) for p in path]
+            for cut in range(1, len(text)):  # a path part may itself hold dots
+                if ".".join(text[:cut]) == key and len(text) - cut > 1:
+                    return Layout.NESTED
+    return Layout.FLAT
 
 
 def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, Any]:
@@ -460,7 +417,9 @@ def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, An
         return CheckpointView(entries, path=where, format="dcp", layout=layout), metadata
 
 
-def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+) -> dict[str, Any]:
     """Load a whole checkpoint, tensors included, without running pickled code.
 
     * torch file: ``torch.load(weights_only=True, mmap=True, map_location="cpu")``
@@ -475,6 +434,8 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
       ``param_groups``); tensors are plain CPU tensors of the global shape, not
       DTensors; a checkpoint written by a planner that recorded no nesting
       comes back flat, keyed as in its metadata.
+    * Hugging Face model directory (or its index file): every shard, after the
+      index was checked against the shards' headers; one flat dict.
 
     Args:
         path: The checkpoint file or directory.
@@ -483,6 +444,9 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
             bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
             only DCP's own classes). ``True``: unpickle without restriction (runs any
             code the pickle holds); only for checkpoints whose origin you trust.
+        key: A dot-separated path to one part of a whole checkpoint
+            (``"model"``, ``"optim"``): only that part is returned (the whole file
+            is still read).
 
     Returns:
         The state dict, nested as saved.
@@ -508,21 +472,28 @@ def load_checkpoint(path: str | os.PathLike[str], /, *, trusted: Trust = False) 
     with _reading(where):
         fmt = detect_format(path)
         if fmt == "dcp":
-            return _dcp_load(where, trusted=trust)
-        if fmt == "torch":
+            loaded = _dcp_load(where, trusted=trust)
+        elif fmt == "torch":
             loaded = _torch_load(where, trusted=trust, map_location="cpu")
             if not isinstance(loaded, dict):
                 raise CheckpointReadError(
                     f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
                 )
-            return loaded
-        return _safetensors_load(where)
+        elif fmt == "hf":
+            loaded = _hf_load(where)
+        else:
+            loaded = _safetensors_load(where)
+        return loaded if key is None else _part(where, loaded, key)
 
 
-def _reason(err: BaseException | str) -> str:
-    """One line describing ``err``."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+def _part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
+    part = part_of(loaded, key)
+    if not isinstance(part, dict):
+        raise LayoutError(
+            f"{where}: key path {key!r} holds a value ({type(part).__name__}), not a state dict; "
+            f"name a part such as {top_level(loaded)}"
+        )
+    return part
 
 
 # --------------------------------------------------------------------------------------
@@ -718,12 +689,16 @@ def _import_dtensor() -> None:
         import torch.distributed.tensor  # noqa: F401
 
 
-def _torch_entries(where: str, *, trusted: Trust) -> tuple[dict[str, Any], Layout]:
+def _torch_entries(
+    where: str, *, trusted: Trust, key: str | None = None
+) -> tuple[dict[str, Any], Layout]:
     loaded = _torch_load(where, trusted=trusted, map_location="meta")
     if not isinstance(loaded, Mapping):
         raise CheckpointReadError(
             f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
         )
+    if key is not None:
+        loaded = _part(where, loaded, key)
     entries = {key: _to_meta(value) for key, value in flatten(loaded).items()}
     return entries, classify(loaded)
 
@@ -739,55 +714,20 @@ def _to_meta(value: Any) -> Any:
 # --------------------------------------------------------------------------------------
 # safetensors
 
-_SAFETENSORS_DTYPES: Final[dict[str, str]] = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "C64": "complex64",
-    "C128": "complex128",
-}
+
+def _torch_dtype(code: str) -> Any:
+    """The torch dtype of a safetensors dtype code (the code itself when torch lacks it)."""
+    name = DTYPES.get(code, ("", 0))[0]
+    dtype = getattr(torch, name, None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) else code
 
 
 def _safetensors_header(where: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Keys, shapes, dtypes and ``__metadata__``, read by the ``safetensors`` library.
-
-    ``safe_open`` validates the header as the library does before loading anything
-    (JSON, dtypes, shapes matching ``data_offsets``, offsets contiguous and inside
-    the file), reading no tensor data.
-    """
-    from safetensors import safe_open
-
-    try:
-        with safe_open(where, framework="pt") as f:
-            keys = f.offset_keys() if hasattr(f, "offset_keys") else f.keys()
-            entries: dict[str, Any] = {}
-            for name in keys:
-                part = f.get_slice(name)
-                code = part.get_dtype()
-                torch_name = _SAFETENSORS_DTYPES.get(code)
-                dtype = getattr(torch, torch_name, None) if torch_name else None
-                shape = tuple(int(n) for n in part.get_shape())
-                entries[name] = TensorMeta(shape, dtype if isinstance(dtype, torch.dtype) else code)
-            metadata = dict(f.metadata() or {})
-    except Exception as err:  # safetensors raises its own error types  # noqa: BLE001
-        raise CheckpointReadError(
-            f"{where}: not a valid safetensors file (corrupt or truncated?): {_reason(err)}",
-            path=where,
-        ) from None
-    return entries, metadata
+    """Keys as :class:`TensorMeta`, and ``__metadata__``, read by the ``safetensors`` library."""
+    entries, metadata = safetensors_header(where)
+    return {k: TensorMeta(shape, _torch_dtype(code)) for k, (shape, code) in entries.items()}, (
+        metadata
+    )
 
 
 def _safetensors_load(where: str) -> dict[str, Any]:
@@ -801,6 +741,36 @@ def _safetensors_load(where: str) -> dict[str, Any]:
             f"{where}: not a readable safetensors file (corrupt or truncated?): {_reason(err)}",
             path=where,
         ) from err
+
+
+def _hf_load(where: str) -> dict[str, Any]:
+    """Every tensor of a Hugging Face directory, shard by shard (the index checked first)."""
+    layout = hf_layout(where)
+    hf_header(layout, where=where)  # a clear error for a bad shard or an index that disagrees
+    out: dict[str, Any] = {}
+    for shard in layout.shards:
+        out.update(_safetensors_load(os.path.join(layout.directory, shard)))
+    return out
+
+
+def hf_shards(
+    path: str | os.PathLike[str], /
+) -> tuple[HFLayout, dict[str, str], dict[str, dict[str, str]]]:
+    """A Hugging Face directory's layout, each key's shard and each shard's ``__metadata__``.
+
+    What ``dsdmerge merge`` needs to write a result in the same sharded layout.
+    """
+    where = str(path)
+    with _reading(where):
+        layout = hf_layout(where)
+        _entries, _metadata, shard_of = hf_header(layout, where=where)
+        from safetensors import safe_open
+
+        metadata: dict[str, dict[str, str]] = {}
+        for shard in layout.shards:
+            with safe_open(os.path.join(layout.directory, shard), framework="numpy") as f:
+                metadata[shard] = dict(f.metadata() or {})
+        return layout, shard_of, metadata
 
 
 # --------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from dsdmerge.layout import (
     require_mapping,
 )
 from dsdmerge.merge import Fresh
-from dsdmerge.policy import InvalidPolicyError, Policy, resolve_policy
+from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName, resolve_policy
 from dsdmerge.rekey import rekey
 from dsdmerge.rename import rename as dm_rename
 from dsdmerge.resize import OnShapeMismatch
@@ -99,7 +99,7 @@ def resume_optimizer(
     /,
     *,
     options: StateDictOptions | None = None,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
@@ -194,7 +194,7 @@ def backfill_optimizer_state(
     /,
     *,
     model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
@@ -302,7 +302,7 @@ def _plan(
     model: Any,
     optimizers: Any,
     loaded: Mapping[Any, Any],
-    policy: str | Policy,
+    policy: PolicyName | Policy,
     allow_missing: str | Iterable[str],
     allow_unexpected: str | Iterable[str],
     fresh: str,
@@ -548,7 +548,7 @@ def resume_model(
     /,
     *,
     options: StateDictOptions | None = None,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
@@ -632,7 +632,7 @@ def load_dcp(
     state_dict: Mapping[str, Any],
     /,
     *,
-    policy: str | Policy = "default",
+    policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     trusted: bool = False,
