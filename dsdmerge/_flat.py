@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
-from itertools import compress, count, repeat
-from operator import is_
+from itertools import compress, count, islice, repeat
+from operator import contains, is_
 from typing import Any
 
-from dsdmerge._groups import prefixed, resolve
+from dsdmerge._groups import prefixed, proven_consistent, resolve
 from dsdmerge._keys import align, missing_in_union, require_str_keys, union, values_at
 from dsdmerge._keys import merged as merged_dict
 from dsdmerge._records import Mismatch, Outcome, Slot
@@ -72,8 +72,11 @@ def flat_pass(
     u_vals: list[Any] = []
     if merge:
         merged = merged_dict(c, r, missing, unexpected, keep_unexpected)
-    if 1 in picked:  # the checkpoint's values at the reference's tensor positions
-        u_vals = list(compress(values_at(c, r, runs, missing), picked))
+    # the checkpoint's values at the reference's positions (the reference's own where the
+    # checkpoint lacks the key), all of them when group conflicts are looked for
+    at_r: list[Any] | None = list(values_at(c, r, runs, missing)) if conflicts else None
+    if 1 in picked:  # at the reference's tensor positions
+        u_vals = list(compress(values_at(c, r, runs, missing) if at_r is None else at_r, picked))
     if u_vals:
         r_vals = list(compress(r.values(), picked))
     mismatches = tensor_mismatches(r, picked, u_vals, r_vals, r_tensor_types, key_prefix)
@@ -87,6 +90,7 @@ def flat_pass(
         conflicts=conflicts,
         groups=groups,
         c_at_r=lambda: values_at(c, r, runs, missing, MISSING),
+        conflict_free=None if at_r is None else lambda: _conflict_free(r, at_r, picked),
     )
 
 
@@ -122,7 +126,15 @@ def _by_union(
     if merge:
         merged = merged_dict(c, r, missing, unexpected, keep_unexpected)
     return _finish(
-        c, r, merged, missing, unexpected, mismatches, conflicts=conflicts, groups=groups
+        c,
+        r,
+        merged,
+        missing,
+        unexpected,
+        mismatches,
+        conflicts=conflicts,
+        groups=groups,
+        conflict_free=lambda: _conflict_free(r, list(islice(joined.values(), len(r))), picked),
     )
 
 
@@ -137,11 +149,13 @@ def _finish(
     conflicts: bool,
     groups: list[list[str]] | None,
     c_at_r: Callable[[], Iterable[Any]] | None = None,
+    conflict_free: Callable[[], bool] | None = None,
 ) -> Outcome:
     """The :class:`Outcome` of a flat pass.
 
     ``c_at_r()``, if the pass can tell: the checkpoint's values at the reference's
-    positions, ``MISSING`` where it lacks the key.
+    positions, ``MISSING`` where it lacks the key. ``conflict_free()``, if given:
+    whether no group conflict is possible (then none is looked for).
     """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
@@ -149,6 +163,8 @@ def _finish(
             m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
             for m in mismatches
         }
+    if conflicts and conflict_free is not None and conflict_free():
+        conflicts = False  # proven: no group can have members that disagree
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
     if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
         resolve(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
@@ -184,3 +200,45 @@ def run_flat(
         groups=None,
         key_prefix=key_prefix,
     )
+
+
+_INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")
+_PG = "param_groups."  # in every hyperparameter key, top-level or under a prefix
+
+
+def _conflict_free(r: Mapping[str, Any], at_r: list[Any], picked: bytes) -> bool:
+    """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
+
+    ``at_r``: the checkpoint's value at each reference position. A hyperparameter
+    held as a tensor (some optimizers take a tensor ``lr``) is not covered: when a
+    tensor's key names param groups, nothing is proven.
+    """
+    if len(picked) != len(r):  # no tensor-like type at all (see _engine.run)
+        picked = bytes(len(r))
+    first = picked.find(0)
+    if first < 0:
+        first = len(r)
+    if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
+        tensor_keys: Iterable[str] = islice(r, first)
+        r_vals, c_vals = list(islice(r.values(), first, None)), at_r[first:]
+        keys: Iterable[str] = islice(r, first, None)
+    else:
+        others = picked.translate(_INVERT)
+        tensor_keys = compress(r, picked)
+        r_vals, c_vals = list(compress(r.values(), others)), list(compress(at_r, others))
+        keys = compress(r, others)
+    if any(map(contains, tensor_keys, repeat(_PG))):
+        return False
+    return proven_consistent(r_vals, c_vals, _period(keys))
+
+
+def _period(keys: Iterable[str]) -> int:
+    """How many keys in a row share the first key's prefix (one row of torch's table)."""
+    it = iter(keys)
+    head = next(it, "").rpartition(".")[0]
+    n = 1
+    for key in islice(it, 255):
+        if key.rpartition(".")[0] != head:
+            break
+        n += 1
+    return n

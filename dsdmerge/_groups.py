@@ -21,7 +21,9 @@ Every rule about param groups is decided here, in one place:
   from), and the reference's values for names that group lacks.
 * **Consistency.** Checkpoint members of one group that disagree on a
   hyperparameter are a *conflict* (torch silently keeps the first member's value
-  for the whole group): :func:`conflict` names them. Nested, a member in another
+  for the whole group): :func:`conflict` names them. A consistent checkpoint is
+  usually proven so without finding the groups (:func:`proven_consistent`).
+  Nested, a member in another
   checkpoint group than its reference group's home group has *moved*, and takes
   its new group's hyperparameters.
 * **Int-keyed optimizers** map parameters by position: their group counts and
@@ -38,8 +40,8 @@ same treatment (:func:`prefixed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from itertools import compress, count, repeat
-from operator import contains, is_, itemgetter
+from itertools import compress, count, islice, pairwise, repeat
+from operator import contains, is_, is_not, itemgetter
 from typing import Any
 
 from dsdmerge._records import Outcome
@@ -64,6 +66,7 @@ __all__ = [
     "merge_groups",
     "most_common",
     "prefixed",
+    "proven_consistent",
     "resolve",
     "twice",
 ]
@@ -151,6 +154,66 @@ def conflict(group: str, name: str, first: tuple[str, Any], other: tuple[str, An
         f"{short_repr(first[1])}, {other[0]} has {short_repr(other[1])}; "
         "torch keeps the first member's value for the whole group"
     )
+
+
+def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> bool:
+    """Whether no param group can have checkpoint members that disagree: a quick proof.
+
+    ``r_values`` and ``c_values`` are the two sides' values at the same positions,
+    which cover every hyperparameter key (where the checkpoint lacks a key, any value
+    may stand in: it only makes the proof harder). The sufficient condition proven
+    is name-free and structure-free: *any two positions whose reference values are
+    equal (:func:`~dsdmerge._values.same_value`) hold equal checkpoint values*.
+    Members of one group have equal reference values for each hyperparameter
+    (inferred groups by definition; given groups share their group's value
+    objects), so then none of them disagree. ``False`` means "not proven": the
+    exact, group-by-group check decides.
+
+    How: the positions are sliced by ``period`` (in torch's layout, one slice per
+    hyperparameter), each slice cut into runs of one reference object; a run whose
+    checkpoint values are all equal (one object, or ``==`` between values of one
+    plain scalar type) is summarised by one (reference, checkpoint) pair, and the
+    pairs of equal reference values must have equal checkpoint values.
+    """
+    pairs: list[tuple[Any, Any]] = []
+    try:
+        for j in range(period):
+            r_col, c_col = r_values[j::period], c_values[j::period]
+            if not r_col:
+                continue
+            if all(map(is_, r_col, repeat(r_col[0]))):
+                cuts = [0, len(r_col)]
+            else:  # where the reference object changes
+                cuts = [0, *compress(count(1), map(is_not, islice(r_col, 1, None), r_col))]
+                cuts.append(len(r_col))
+            if len(pairs) + len(cuts) > _PROOF_RUNS:
+                return False
+            for start, end in pairwise(cuts):
+                run = c_col[start:end]
+                first = run[0]
+                if not (
+                    all(map(is_, run, repeat(first)))
+                    or (
+                        type(first) in _EXACT
+                        and run.count(first) == len(run)
+                        and list(map(type, run)).count(type(first)) == len(run)
+                    )
+                ):
+                    return False
+                pairs.append((r_col[start], first))
+        held: dict[Any, Any] = {}
+        for rv, cv in pairs:
+            first = held.setdefault(freeze(rv), cv)
+            if first is not cv and not same_value(first, cv):
+                return False
+    except Exception:  # an exotic value (its == or hash raises): not proven  # noqa: BLE001
+        return False
+    return True
+
+
+# Values of these types that are == and of one type are same_value (NaN is never == itself).
+_EXACT = frozenset({float, int, bool, str, type(None)})
+_PROOF_RUNS = 4096  # runs summarised at most: beyond, the exact check is cheaper
 
 
 # --------------------------------------------------------------------------------------

@@ -103,3 +103,72 @@ def test_semantics_of_a_hand_made_case(keep):
     expected |= {"state.new.step": 1, "param_groups.new.lr": 5e-5}  # the group's value
     assert out.merged == expected
     assert list(out.merged) == list(expected)
+
+
+def _perturbed(sd, seed, how):
+    """A flat checkpoint with some hyperparameter values changed (``"conflict"``: members of
+    one group may now disagree) or replaced by equal values that are new objects."""
+    pg = [k for k in sd if k.startswith("param_groups.")]
+    if not pg:
+        return sd
+    rng = random.Random(seed)
+    out = dict(sd)
+    for key in rng.sample(pg, rng.randint(1, min(3, len(pg)))):
+        v = out[key]
+        if how == "conflict":
+            out[key] = v + 1 if type(v) in (int, float) else ("other", v)
+        elif type(v) is float:
+            out[key] = float(repr(v))  # equal, not the same object
+    return out
+
+
+@given(
+    all_pairs,
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["conflict", "equal copies"]),
+    st.booleans(),
+)
+def test_group_conflicts_equal_the_semantics(pair, seed, how, shuffled):
+    """The strict check's quick proof of consistency (dsdmerge._groups.proven_consistent)
+    never hides a conflict: checkpoints whose group members disagree, or agree through
+    equal values that are different objects, get exactly the semantics' conflicts."""
+    c, r = (dm.flatten(sd) for sd in pair)
+    c = _perturbed(c, seed, how)
+    if shuffled:
+        c = _shuffled(c, seed)
+    assert_same_outcome(c, r, merge=True, keep_unexpected=True, conflicts=True)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from([0.1, 0.2, 1, "a"]), st.sampled_from([0.1, 0.2, 1, "a"]))),
+    st.integers(1, 4),
+)
+def test_proven_consistent_is_a_proof(cells, period):
+    """When the quick proof says "consistent", positions with equal reference values hold
+    equal checkpoint values (the condition the group check's skip relies on)."""
+    from dsdmerge._groups import proven_consistent
+    from dsdmerge._values import same_value
+
+    r_values = [r for r, _ in cells]
+    c_values = [c for _, c in cells]
+    if proven_consistent(r_values, c_values, period):
+        for i in range(len(cells)):
+            for j in range(len(cells)):
+                if same_value(r_values[i], r_values[j]):
+                    assert same_value(c_values[i], c_values[j])
+
+
+def test_a_conflict_in_torch_layout_at_scale_is_found():
+    """A DeepSeek-like flat optimizer in torch's layout, one member's lr changed: strict
+    refuses, naming it (the quick proof fails, the exact check runs)."""
+    fqns = [f"layers.{i}.w" for i in range(200)]
+    lr, wd = 1e-3, 0.1
+    r = {f"state.{f}.step": 0 for f in fqns}
+    for f in fqns:
+        r |= {f"param_groups.{f}.lr": lr, f"param_groups.{f}.weight_decay": wd}
+    c = dict(r)
+    c["param_groups.layers.150.w.lr"] = 2e-3
+    with pytest.raises(dm.MergeError, match=r"layers\.150\.w"):
+        dm.merge(c, r, policy="strict")
+    c["param_groups.layers.150.w.lr"] = float(repr(lr))  # equal, another object
+    assert dm.merge(c, r, policy="strict") == c
