@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsdmerge._flat import flat_pass
+from dsdmerge._gc import gc_paused
 from dsdmerge._nested import NestedMerge
 from dsdmerge._records import Outcome
 from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan
@@ -79,9 +80,9 @@ def run(
     c_layout = layout_of(checkpoint, c_types)
     r_layout = layout_of(reference, r_types)
     if c_layout is Layout.NESTED and r_layout is Layout.NESTED:
-        return NestedMerge(merge=merge, keep_unexpected=keep_unexpected, conflicts=conflicts).run(
-            checkpoint, reference
-        )
+        walk = NestedMerge(merge=merge, keep_unexpected=keep_unexpected, conflicts=conflicts)
+        with gc_paused():  # a new dict per parameter, none of them cyclic (see dsdmerge._gc)
+            return walk.run(checkpoint, reference)
     if c_layout is Layout.NESTED:
         if merge:
             raise LayoutError(

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from functools import partial
-from itertools import chain, filterfalse, islice, repeat
+from itertools import chain, count, filterfalse, islice, repeat
 from operator import add, is_
 from typing import Any
 
+from dsdmerge._gc import gc_paused
 from dsdmerge._keys import require_str_keys
 from dsdmerge._trees import flatten
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
@@ -103,7 +104,8 @@ def unflatten(
     require_mapping(like, "like")
     if classify(like) is Layout.FLAT:
         return dict(flat)
-    return _Unflattener(flat).run(like)
+    with gc_paused():  # one new dict per parameter, none of them cyclic (see dsdmerge._gc)
+        return _Unflattener(flat).run(like)
 
 
 def require_flat(
@@ -233,6 +235,11 @@ class _Unflattener:
             str, tuple[dict[str, Any], dict[Any, Any], dict[Any, dict[str, Any]], dict[Any, Any]]
         ] = {}
         self.trees: dict[str, dict[Any, Any]] = {}
+        # flat's keys and values as lists, made when first needed (see _values_of), and
+        # where the last run of keys found there ended
+        self.keys: list[str] | None = None
+        self.values: list[Any] = []
+        self.after = 0
         # optimizer prefix -> length of its longest param id; ".optimizers" / ".trees" -> of the
         # longest prefix: bounds on the searches that place keys like does not spell
         self.longest: dict[str, int] = {}
@@ -324,6 +331,11 @@ class _Unflattener:
             else:
                 spelled_params = [key_str(pid, where) for pid in params]
             bases = [f"{group_prefix}{spelled}." for spelled in spelled_params]
+            names = [name for name in like_group if name != PARAMS]
+            # every member's values, row after row (torch's order): one slice of flat when its
+            # keys stand there in that order, else one lookup per key
+            table = self._values_of_rows(bases, names) if names else []
+            column = dict(zip(names, count()))
             group: dict[str, Any] = {}
             for name, like_value in like_group.items():
                 if name == PARAMS:
@@ -332,9 +344,8 @@ class _Unflattener:
                 if not params:  # torch's format has no key for an empty group: keep like's
                     group[name] = like_value
                     continue
-                # every member's value, looked up in one C-level pass; one object for all
-                # members (the usual case) needs no comparison
-                values = list(map(flat.get, map(add, bases, repeat(name)), repeat(MISSING)))
+                # one object for all members (the usual case) needs no comparison
+                values = table[column[name] :: len(names)]
                 found = list(filterfalse(partial(is_, MISSING), values))
                 self.hits += len(found)
                 if not found:
@@ -403,7 +414,7 @@ class _Unflattener:
         keys = [
             f"{state_prefix}{s}.{name}" for s, e in zip(spelled, entries, strict=True) for name in e
         ]
-        values = list(map(self.flat.get, keys, repeat(MISSING)))
+        values = self._values_of(keys)
         lost = sum(map(is_, values, repeat(MISSING)))
         self.hits += len(values) - lost
         taken = iter(values)
@@ -417,6 +428,62 @@ class _Unflattener:
                     state[pid] = kept
         pids.update(zip(spelled, like_state, strict=True))
         return True
+
+    def _values_of_rows(self, bases: list[str], names: list[str]) -> list[Any]:
+        """:meth:`_values_of` the keys ``base + name``, row after row (torch's order).
+
+        Shortcut: when flat holds those keys at its current position, in order,
+        one string comparison tells (the expected keys joined by NUL, built by one
+        ``join`` per row, against flat's keys joined the same way; a key holding a
+        NUL makes the test fall back), and no key string is spelled at all.
+        """
+        flat, n = self.flat, len(bases) * len(names)
+        if type(flat) is dict and n >= 64:
+            if self.keys is None:
+                self.keys, self.values = list(flat), list(flat.values())
+            at = self.after
+            got = "\0".join(self.keys[at : at + n])
+            if got.count("\0") == n - 1:  # no key holds a NUL itself
+                rows = map(add, bases, map(str.join, map(add, repeat("\0"), bases), repeat(names)))
+                if got == "\0".join(rows):
+                    self.after = at + n
+                    return self.values[at : at + n]
+        return self._values_of([b + name for b in bases for name in names])
+
+    def _values_of(self, keys: list[str]) -> list[Any]:
+        """The flat value of each of ``keys``, ``MISSING`` where flat lacks it.
+
+        Semantically ``[flat.get(k, MISSING) for k in keys]``. Shortcut: where the
+        keys stand in flat one after another in this order (torch's layout, when
+        ``like`` is the reference the flat dict was made from), their values are a
+        slice of flat's values, found by comparing runs of keys (see :func:`_run`)
+        instead of hashing each key. A key out of that order (a backfilled one at
+        the end, an extra one in between) is looked up by hash, and the walk goes on.
+        """
+        flat = self.flat
+        if type(flat) is not dict or len(keys) < 64:
+            return list(map(flat.get, keys, repeat(MISSING)))
+        if self.keys is None:
+            self.keys, self.values = list(flat), list(flat.values())
+        have, values = self.keys, self.values
+        out: list[Any] = []
+        i, at, n = 0, self.after, len(keys)
+        while i < n:
+            length = _run(keys, i, have, at, n - i)
+            if length:
+                out += values[at : at + length]
+                i += length
+                at += length
+                continue
+            key = keys[i]  # out of order: by hash, then look a few keys ahead in flat
+            out.append(flat.get(key, MISSING))
+            i += 1
+            if out[-1] is not MISSING:
+                ahead = have[at : at + _AHEAD]
+                if key in ahead:
+                    at += ahead.index(key) + 1
+        self.after = at
+        return out
 
     def _place_leftovers(self, like: Mapping[Any, Any]) -> None:
         placed = set(flatten(like))
@@ -484,6 +551,37 @@ class _Unflattener:
         # a key beside state and param_groups (heavyball's): under the optimizer, split on dots
         _insert(optimizer, rest.split("."), value, key)
         return True
+
+
+_AHEAD = 8  # keys of flat skipped at most to find the next key in order (extra keys)
+
+
+def _run(a: list[str], i: int, b: list[str], j: int, limit: int) -> int:
+    """The largest ``n <= limit`` with ``a[i:i + n] == b[j:j + n]``.
+
+    Slices are compared in C (a string compares by identity, then length, then
+    bytes), galloping then bisecting: a run of ``n`` equal keys costs a few passes
+    over about ``n`` keys (never over the rest of the lists), not ``n`` Python steps.
+    """
+    if j >= len(b) or a[i] != b[j]:
+        return 0
+    lo, step = 1, 64  # a[i:i+lo] == b[j:j+lo] holds; past lo + step it is not known
+    while lo < limit:
+        step = min(step, limit - lo)
+        if a[i + lo : i + lo + step] != b[j + lo : j + lo + step]:
+            break
+        lo += step
+        step *= 2
+    else:
+        return limit
+    hi = min(limit, lo + step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[i + lo : i + mid] == b[j + lo : j + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _longest_prefix(key: str, prefixes: Mapping[str, Any], longest: int) -> str | None:

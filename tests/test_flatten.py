@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 from conftest import Snapshot, same_tree
+from hypothesis import given
+from hypothesis import strategies as st
 from optimizers import ShampooLike
 from torch import nn
 
@@ -371,3 +373,64 @@ def test_bad_param_ids_are_refused_even_in_a_group_without_hyperparameters(bad):
     for call in (dm.flatten, lambda x: dm.unflatten({}, like=x), lambda x: dm.diff(x, x)):
         with pytest.raises(dm.StateDictTypeError, match=r"param_groups\[0\]"):
             call(osd)
+
+
+# --------------------------------------------------------------------------------------
+# unflatten's shortcut: runs of keys in flat's own order are sliced, not looked up
+
+
+@given(
+    st.lists(st.text("abc.", min_size=1, max_size=4), min_size=0, max_size=300, unique=True),
+    st.lists(st.text("abc.", min_size=1, max_size=4), min_size=0, max_size=300),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 3),
+)
+def test_values_of_equals_one_lookup_per_key(flat_keys, extra, seed, how):
+    """_Unflattener._values_of (runs compared, the rest by hash) and _values_of_rows (one
+    joined comparison) equal ``[flat.get(k, MISSING) for k in keys]``, whatever the order."""
+    import importlib
+    import random
+
+    from dsdmerge._values import MISSING
+
+    unflatten_module = importlib.import_module("dsdmerge.flatten")
+    rng = random.Random(seed)
+    flat = {k: object() for k in flat_keys}
+    keys = list(flat_keys)
+    if how == 1:  # a few keys moved elsewhere, some absent from flat
+        for _ in range(rng.randint(1, 5)):
+            if keys:
+                keys.append(keys.pop(rng.randrange(len(keys))))
+        keys[rng.randrange(len(keys) + 1) : 0] = extra[:5]
+    elif how == 2:
+        rng.shuffle(keys)
+    elif how == 3:  # flat has extra keys among the ones asked for
+        keys = [k for k in keys if rng.random() < 0.9]
+    u = unflatten_module._Unflattener(flat)
+    u.after = rng.randrange(len(flat) + 1)
+    assert u._values_of(keys) == [flat.get(k, MISSING) for k in keys]
+    bases = sorted({k.partition(".")[0] + "." for k in flat_keys})
+    names = sorted({k.rpartition(".")[2] for k in flat_keys})[:3]
+    want = [b + n for b in bases for n in names]
+    u = unflatten_module._Unflattener(flat)
+    assert u._values_of_rows(bases, names) == [flat.get(k, MISSING) for k in want]
+    ordered = {k: object() for k in want}
+    u = unflatten_module._Unflattener(ordered)
+    assert u._values_of_rows(bases, names) == list(ordered.values())
+
+
+def test_unflatten_keys_holding_nul_are_looked_up():
+    """A NUL inside keys cannot fool _values_of_rows' joined comparison: like's members
+    ``x`` and ``y<NUL>param_groups.z`` spell the same NUL-joined text as flat's keys
+    ``param_groups.x.lr<NUL>param_groups.y`` and ``param_groups.z.lr``, other keys."""
+    members = ["x", "y\0param_groups.z", *(f"p{i}" for i in range(70))]
+    like = {"state": {}, "param_groups": [{"lr": 0.1, "params": members}]}
+    flat = {f"param_groups.{m}.lr": 0.2 for m in members}
+    assert dm.unflatten(flat, like=like)["param_groups"][0]["lr"] == 0.2
+    bad = {
+        "param_groups.x.lr\0param_groups.y": 0.3,
+        "param_groups.z.lr": 0.3,
+        **{f"param_groups.p{i}.lr": 0.2 for i in range(70)},
+    }
+    with pytest.raises(dm.LayoutError, match="no place"):
+        dm.unflatten(bad, like=like)
