@@ -53,7 +53,7 @@ layer 1 cannot stop all nesting (``((t, 1), 2)`` built element by element is pla
 pickle): a dict key nested 10^6 deep overflows an 8 MiB stack. The unpickler runs
 in a thread whose stack fits tuples nested as deep as the file has tuples
 (:func:`_load_deep`). And the cyclic garbage collector is paused while the
-acyclic result is built (:func:`_gc_paused`): its passes over millions of new
+acyclic result is built (:func:`dsdmerge._gc.gc_paused`): its passes over millions of new
 objects are most of ``pickle.load``'s time at DeepSeek-V3 scale.
 """
 
@@ -752,9 +752,6 @@ def _check_planner(planner: Any, budget: int) -> None:
 # --------------------------------------------------------------------------------------
 
 
-_gc_paused = gc_paused  # the collector's pause, shared with compress (see dsdmerge._gc)
-
-
 def load_metadata(data: bytes, *, where: str) -> Any:
     """Unpickle a DCP ``.metadata`` file's bytes safely (see the module docstring).
 
@@ -778,7 +775,7 @@ def load_metadata(data: bytes, *, where: str) -> Any:
             stream, tuples = _rewrite([data[:2], data[2:]], frames=frames)
         except _Misaligned:
             stream, tuples = _rewrite(_scan(data), frames=_frames(data))
-        with _gc_paused():
+        with gc_paused():
             root = _load_deep(stream, tuples)
             del stream
             return _convert(root, budget=len(data))

@@ -55,6 +55,7 @@ from typing import Any, ClassVar, Final
 
 import torch
 
+from dsdmerge._gc import gc_paused
 from dsdmerge._paths import part_of, select_flat, top_level
 from dsdmerge.diff import TensorMeta, dtype_name
 from dsdmerge.errors import (
@@ -403,11 +404,9 @@ def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, An
     trusted = _check_trust(trusted)
     if detect_format(where) != "dcp":
         raise CheckpointReadError(f"{where}: not a DCP checkpoint directory", path=where)
-    from dsdmerge.integrations._dcp_metadata import _gc_paused
-
     # the collector is paused for the view too: with millions of records just made, each
     # of its passes would walk them all (reads in several threads share one pause)
-    with _reading(where), _gc_paused():
+    with _reading(where), gc_paused():
         metadata = _read_dcp_metadata(where, trusted=trusted)
         entries = _dcp_entries(where, metadata, trusted=trusted)
         # DCP records each saved value's path in the state dict: nested when one has two parts
