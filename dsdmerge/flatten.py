@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from functools import partial
-from itertools import chain, count, filterfalse, islice, repeat
+from itertools import chain, compress, count, filterfalse, islice, repeat
 from operator import add, is_
 from typing import Any
 
@@ -126,13 +126,10 @@ def require_flat(
 
 
 def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
-    has_groups = False
-    for key in flat:
-        if key.startswith(PG_PREFIX):
-            has_groups = True
-        elif not key.startswith(STATE_PREFIX):
-            return False
-    return has_groups
+    """Whether every key is a ``state.*`` or ``param_groups.*`` key, and some the latter."""
+    return all(map(str.startswith, flat, repeat((STATE_PREFIX, PG_PREFIX)))) and any(
+        map(str.startswith, flat, repeat(PG_PREFIX))
+    )
 
 
 def _insert(root: dict[Any, Any], parts: list[str], value: Any, key: str) -> None:
@@ -163,33 +160,36 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
         for key, v in flat.items():
             _insert(out, key.split("."), v, key)
         return out
+    with gc_paused():  # one new dict per parameter, none of them cyclic (see dsdmerge._gc)
+        return _unflatten_optimizer(flat)
+
+
+def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[Any, Any]:
+    """:func:`unflatten` of a DSD flattened optimizer dict, without ``like``."""
     hyper: dict[str, dict[str, Any]] = {}
-    for key, v in flat.items():
-        if key.startswith(PG_PREFIX):
-            fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
-            if not dot or not fqn or not name:
-                raise LayoutError(
-                    f"{key!r} is not of the form 'param_groups.<fqn>.<hyperparameter>'"
-                )
-            hyper.setdefault(fqn, {})[name] = v
+    is_pg = bytes(map(str.startswith, flat, repeat(PG_PREFIX)))
+    for key, v in compress(flat.items(), is_pg):
+        fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
+        if not dot or not fqn or not name:
+            raise LayoutError(f"{key!r} is not of the form 'param_groups.<fqn>.<hyperparameter>'")
+        hyper.setdefault(fqn, {})[name] = v
     state: dict[str, Any] = {}
     longest = max(map(len, hyper), default=0)
-    for key, v in flat.items():
-        if key.startswith(STATE_PREFIX):
-            rest = key[len(STATE_PREFIX) :]
-            found = split_param_key(rest, hyper, longest)
-            if found is None and rest and "." not in rest:  # an optimizer-level entry
-                if rest in state:
-                    raise LayoutError(f"{key!r} is both a value and a prefix of other keys")
-                state[rest] = v
-                continue
-            if found is None:
-                raise LayoutError(
-                    f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
-                    "cannot be told from its state name. Pass like= (the nested reference)."
-                )
-            fqn, rest = found
-            _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
+    for key, v in compress(flat.items(), is_pg.translate(_INVERT)):  # the state.* keys
+        rest = key[len(STATE_PREFIX) :]
+        found = split_param_key(rest, hyper, longest)
+        if found is None and rest and "." not in rest:  # an optimizer-level entry
+            if rest in state:
+                raise LayoutError(f"{key!r} is both a value and a prefix of other keys")
+            state[rest] = v
+            continue
+        if found is None:
+            raise LayoutError(
+                f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
+                "cannot be told from its state name. Pass like= (the nested reference)."
+            )
+        fqn, rest = found
+        _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
     groups: dict[Any, dict[str, Any]] = {}
     frozen: dict[int, Any] = {}  # members of a group share their value objects: freeze each once
     for fqn, values in hyper.items():
@@ -205,6 +205,9 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
             group = groups[signature] = {**values, PARAMS: []}
         group[PARAMS].append(fqn)
     return {STATE: state, PARAM_GROUPS: list(groups.values())}
+
+
+_INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 
 def split_param_key(
