@@ -500,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write all results as JSON here")
     ap.add_argument("--plot", type=Path, help="scaling plot PNG (default benchmarks/scaling.png)")
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's Benchmarks table")
+    ap.add_argument(
+        "--no-resume", action="store_true", help="skip the end-to-end resume (bench_resume.py)"
+    )
     args = ap.parse_args(argv)
 
     rounds = args.rounds or (3 if args.quick else 7)
@@ -533,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     text = report(result)
+    if not args.no_resume:  # the end-to-end optimizer resume, real tensors (bench_resume.py)
+        import bench_resume
+
+        print("end-to-end resume (bench_resume.py):", flush=True)
+        result["resume"] = bench_resume.run(quick=args.quick)
+        text += "\n\n" + bench_resume.report(result["resume"])
+    result["env"]["wall_s"] = time.perf_counter() - started
     env = result["env"]
     text += (
         f"\n\nMeasured with `python benchmarks/bench_merge.py {' '.join(env['argv'])}`: "
