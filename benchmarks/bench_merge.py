@@ -240,6 +240,11 @@ def deepseek(
     c_ddp = dm.rename(c, {"^": "module."})
     assert dm.rename(c_ddp, "ddp") == c
     refactor = {r"\.attn\.wq\.": ".attn.q_proj."}  # one projection renamed in every layer
+    # a new parameter (the output head, not in the checkpoint at all): its param_groups.* keys
+    # are backfilled from its group's checkpoint values, which the groups must be found for
+    new = ("state.head.weight.", "param_groups.head.weight.")
+    c_new = {k: v for k, v in c.items() if not k.startswith(new)}
+    assert sum(k.startswith(new[1]) for k in dm.diff(c_new, r).missing) == 11
     assert sum(".attn.q_proj." in k for k in dm.rename(c, refactor)) == 14 * layers
 
     cases: Cases = {
@@ -255,6 +260,7 @@ def deepseek(
         "torch unflatten": lambda: unflatten_torch(merged),
         "diff": lambda: dm.diff(c, r),
         "merge": lambda: dm.merge(c, r),
+        "merge (a new parameter)": lambda: dm.merge(c_new, r),
         "merge warn": quiet(lambda: dm.merge(c, r, policy="warn")),
         "merge strict": lambda: dm.merge(c, r, policy=strict, allow_missing="*.indexer.*"),
         "check strict": lambda: dm.check(c, r, policy=strict, allow_missing="*.indexer.*"),
@@ -321,6 +327,13 @@ TARGETS = [
     ("merge warn / floor", _ratio("merge warn", "floor"), "<=", 1.6, "warn policy"),
     ("check strict / floor", _ratio("check strict", "floor"), "<=", 1.6, "check, strict"),
     ("merge / floor", _ratio("merge", "floor"), "<=", 1.4, "merge, default policy"),
+    (
+        "merge (a new parameter) / floor",
+        _ratio("merge (a new parameter)", "floor"),
+        "<=",
+        1.4,
+        "merge that backfills a new parameter's hyperparameters (not an issue's target)",
+    ),
     ("diff / floor", _ratio("diff", "floor"), "<=", 1.4, "diff"),
     ("nested merge / floor", _ratio("nested merge", "floor"), "<=", 1.05, "nested merge"),
     ("unflatten / torch", _ratio("unflatten", "torch unflatten"), "<=", 1.5, "unflatten vs torch"),

@@ -40,7 +40,8 @@ same treatment (:func:`prefixed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from itertools import compress, count, islice, pairwise, repeat
+from functools import partial
+from itertools import compress, count, filterfalse, islice, pairwise, repeat
 from operator import contains, is_, is_not, itemgetter
 from typing import Any
 
@@ -81,7 +82,7 @@ DISAGREE: Any = object()
 
 def group_value(values: list[Any]) -> Any:
     """The one value the present ``values`` share, ``MISSING`` if none, else ``DISAGREE``."""
-    present = [v for v in values if v is not MISSING]
+    present = list(filterfalse(partial(is_, MISSING), values))
     if not present:
         return MISSING
     first = present[0]
@@ -314,8 +315,22 @@ def _resolve_table(
     else:
         row_of = dict(zip(table.fqns, count()))
         rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
+    if not backfilled and not conflicts:
+        return
+    # the checkpoint's value at each cell of the table (MISSING where it has none), read by
+    # columns below: no key is spelled or hashed
+    if c_at_r is None:
+        c_vals = list(map(c.get, table.keys, repeat(MISSING)))
+    else:
+        c_vals = list(compress(c_at_r(), table.picked))
+    k = len(table.names)
     if backfilled:
         fqns = table.fqns
+        col_of = dict(zip(table.names, count()))
+
+        def values_of(index: int, name: str) -> list[Any]:
+            return list(map(c_vals[col_of[name] :: k].__getitem__, rows[index]))
+
         backfill(
             c,
             outcome.merged,
@@ -323,14 +338,10 @@ def _resolve_table(
             [[fqns[i] for i in members] for members in rows],
             inferred=groups is None,
             problems=outcome.problems,
+            values_of=values_of,
         )
     if not conflicts:
         return
-    if c_at_r is None:
-        c_vals = list(map(c.get, table.keys, repeat(MISSING)))
-    else:
-        c_vals = list(compress(c_at_r(), table.picked))
-    k = len(table.names)
     for index, members in enumerate(rows):
         found: list[tuple[int, int, str]] = []
         for j, name in enumerate(table.names):
@@ -364,6 +375,7 @@ def backfill(
     *,
     inferred: bool,
     problems: list[str],
+    values_of: Callable[[int, str], list[Any]] | None = None,
 ) -> None:
     """Give each backfilled ``param_groups.*`` key its group's checkpoint value.
 
@@ -374,7 +386,9 @@ def backfill(
     members that disagree may be two groups the inference could not tell apart,
     so no value is picked: a line goes to ``problems`` (the merge is refused).
     Writes into ``merged`` unless it is ``None`` (a check). Each group and
-    hyperparameter is scanned once.
+    hyperparameter is scanned once: ``values_of(group, name)``, if given, is the
+    checkpoint's value for each member in order (``MISSING`` where it has none), as
+    the keys ``param_groups.<member>.<name>`` looked up in ``c`` would give.
     """
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     n = len(PG_PREFIX)
@@ -387,8 +401,11 @@ def backfill(
         value = found.get((index, name), found)
         if value is found:  # first backfilled key of this group and name: scan the group once
             members = groups[index]
-            keys = [f"{PG_PREFIX}{member}.{name}" for member in members]
-            values = list(map(c.get, keys, repeat(MISSING)))
+            if values_of is None:
+                keys = [f"{PG_PREFIX}{member}.{name}" for member in members]
+                values = list(map(c.get, keys, repeat(MISSING)))
+            else:
+                values = values_of(index, name)
             value = group_value(values)
             if value is DISAGREE:
                 if inferred:

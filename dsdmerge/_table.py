@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from itertools import chain, compress, count, cycle, islice, repeat
+from itertools import compress, count, islice, repeat
 from operator import add, itemgetter, methodcaller
 from typing import Any
 
@@ -76,8 +76,8 @@ class PgTable:
 
         The shape is checked without splitting every key: the first row gives the
         hyperparameter names, the first key of each row its fqn, and then every key
-        must be ``param_groups.<row fqn>.<column name>`` (prefix, suffix and length),
-        which is what :func:`_parse_groups` would make of it.
+        must be ``param_groups.<row fqn>.<column name>`` (one comparison of NUL-joined
+        texts), which is what :func:`parse_groups` would make of it.
         """
         n = len(PG_PREFIX)
         if not keys:
@@ -93,20 +93,24 @@ class PgTable:
         rows, rest = divmod(len(keys), k)
         if rest or not dot or not first_fqn or len(set(names)) != k or "." in "".join(names):
             return None
-        suffixes = ["." + name for name in names]
+        suffix = "." + names[0]
         heads = keys[::k]
-        if not all(map(str.endswith, heads, repeat(suffixes[0]))):
+        if not all(map(str.endswith, heads, repeat(suffix))):
             return None
-        fqns = list(map(itemgetter(slice(n, -len(suffixes[0]))), heads))
+        fqns = list(map(itemgetter(slice(n, -len(suffix))), heads))
+        if not all(fqns) or len(set(fqns)) != rows:
+            return None
+        # every key is param_groups.<its row's fqn>.<its column's name>: the keys joined by
+        # NUL equal the expected keys joined by NUL (one join per row builds them), and no
+        # key holds a NUL itself (then the joined texts split only one way)
+        got = "\0".join(keys)
+        if got.count("\0") != len(keys) - 1:
+            return None
         prefixes = list(map(add, repeat(PG_PREFIX), map(add, fqns, repeat("."))))
-        each = list(chain.from_iterable(map(repeat, prefixes, repeat(k))))
-        if (
-            not all(fqns)
-            or len(set(fqns)) != rows
-            or not all(map(str.startswith, keys, each))
-            or not all(map(str.endswith, keys, cycle(suffixes)))
-            or list(map(len, keys)) != list(map(add, map(len, each), cycle(map(len, names))))
-        ):
+        rows_text = map(
+            add, prefixes, map(str.join, map(add, repeat("\0"), prefixes), repeat(names))
+        )
+        if got != "\0".join(rows_text):
             return None
         return cls(picked, keys, fqns, names, values())
 

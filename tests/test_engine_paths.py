@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Snapshot
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from semantics_check import assert_same_outcome
 
@@ -397,3 +397,44 @@ def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
         assert all(sd[k] is first[k] for k in first)
         assert rest[:2] == [conflicts, n_warnings]
     assert conflicts == ()
+
+
+_FQNS = ["a", "b", "a.b", "b\0c", "a\0", "c", "c\0param_groups.a"]
+_NAMES = ["lr", "wd", "x\0", "y", "lr.z"]
+
+
+@settings(max_examples=500)  # cheap: a few milliseconds per example
+@given(
+    st.lists(st.sampled_from(_FQNS), min_size=1, max_size=6, unique=True),
+    st.lists(st.sampled_from(_NAMES), min_size=1, max_size=3, unique=True),
+    st.lists(st.tuples(st.integers(0, 17), st.sampled_from(_FQNS), st.sampled_from(_NAMES))),
+    st.sampled_from(["", "param_groups.a\0param_groups.b.lr", "param_groups.b\0c.lr"]),
+)
+def test_the_param_group_table_reads_every_key_as_parse_groups_does(fqns, names, edits, extra):
+    """PgTable.of's shape check (one comparison of NUL-joined keys) accepts only keys that are
+    exactly param_groups.<row fqn>.<column name>, read as parse_groups reads them, even when
+    fqns or names hold NULs or dots, or keys are replaced by others or an extra key sits
+    among them."""
+    from dsdmerge._table import PgTable, parse_groups
+
+    keys = [f"param_groups.{f}.{n}" for f in fqns for n in names]
+    for at, fqn, name in edits:  # a key replaced by another spelling
+        if at < len(keys):
+            keys[at] = f"param_groups.{fqn}.{name}"
+    if extra:
+        keys.insert(len(keys) // 2, extra)
+    keys = list(dict.fromkeys(keys))
+    r = {"state.x.step": 0, **{k: i for i, k in enumerate(keys)}}
+    table = PgTable.of(r)
+    if table is None:
+        return
+    k = len(table.names)
+    assert len(table.keys) == len(table.fqns) * k
+    hyper, _ = parse_groups(r)
+    assert table.keys == [key for key in r if key.startswith("param_groups.")]
+    for i, fqn in enumerate(table.fqns):
+        for j, name in enumerate(table.names):
+            key = table.keys[i * k + j]
+            assert key == f"param_groups.{fqn}.{name}"
+            assert hyper[fqn][name] == r[key] == table.values[i * k + j]
+    assert list(hyper) == table.fqns
