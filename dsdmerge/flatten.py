@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 from functools import partial
 from itertools import chain, compress, count, filterfalse, islice, repeat
-from operator import add, is_
+from operator import add, is_, itemgetter
 from typing import Any
 
 from dsdmerge._gc import gc_paused
 from dsdmerge._keys import require_str_keys
+from dsdmerge._table import PgTable
 from dsdmerge._trees import flatten
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError
@@ -166,45 +167,120 @@ def _unflatten_free(flat: Mapping[str, Any]) -> dict[Any, Any]:
 
 def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[Any, Any]:
     """:func:`unflatten` of a DSD flattened optimizer dict, without ``like``."""
-    hyper: dict[str, dict[str, Any]] = {}
     is_pg = bytes(map(str.startswith, flat, repeat(PG_PREFIX)))
-    for key, v in compress(flat.items(), is_pg):
-        fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
-        if not dot or not fqn or not name:
-            raise LayoutError(f"{key!r} is not of the form 'param_groups.<fqn>.<hyperparameter>'")
-        hyper.setdefault(fqn, {})[name] = v
-    state: dict[str, Any] = {}
-    longest = max(map(len, hyper), default=0)
-    for key, v in compress(flat.items(), is_pg.translate(_INVERT)):  # the state.* keys
-        rest = key[len(STATE_PREFIX) :]
-        found = split_param_key(rest, hyper, longest)
-        if found is None and rest and "." not in rest:  # an optimizer-level entry
-            if rest in state:
-                raise LayoutError(f"{key!r} is both a value and a prefix of other keys")
-            state[rest] = v
-            continue
-        if found is None:
-            raise LayoutError(
-                f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
-                "cannot be told from its state name. Pass like= (the nested reference)."
-            )
-        fqn, rest = found
-        _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
+    table = PgTable.of(flat)
+    if table is not None:  # torch's layout: the same, read by rows (see dsdmerge._table)
+        hyper = _rows(table.fqns, table.names, table.values)
+    else:
+        hyper = {}
+        for key, v in compress(flat.items(), is_pg):
+            fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
+            if not dot or not fqn or not name:
+                raise LayoutError(
+                    f"{key!r} is not of the form 'param_groups.<fqn>.<hyperparameter>'"
+                )
+            hyper.setdefault(fqn, {})[name] = v
+    is_state = is_pg.translate(_INVERT)
+    state = _state_by_rows(list(compress(flat, is_state)), flat, is_state, hyper)
+    if state is None:
+        state = {}
+        longest = max(map(len, hyper), default=0)
+        for key, v in compress(flat.items(), is_state):
+            rest = key[len(STATE_PREFIX) :]
+            found = split_param_key(rest, hyper, longest)
+            if found is None and rest and "." not in rest:  # an optimizer-level entry
+                if rest in state:
+                    raise LayoutError(f"{key!r} is both a value and a prefix of other keys")
+                state[rest] = v
+                continue
+            if found is None:
+                raise LayoutError(
+                    f"{key!r} names no parameter of the param_groups.* keys, so its fqn "
+                    "cannot be told from its state name. Pass like= (the nested reference)."
+                )
+            fqn, rest = found
+            _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
+    # parameters whose hyperparameters are all equal (same names, equal values) form a group,
+    # in order of first appearance. Members of a group usually share their value objects, so
+    # each distinct row of objects (names and ids: every value is alive in flat) is frozen once
+    rows = list(
+        zip(
+            map(tuple, hyper.values()),
+            map(tuple, map(map, repeat(id), map(dict.values, hyper.values()))),
+            strict=True,
+        )
+    )
     groups: dict[Any, dict[str, Any]] = {}
-    frozen: dict[int, Any] = {}  # members of a group share their value objects: freeze each once
-    for fqn, values in hyper.items():
-        pairs = []
-        for name, v in values.items():
-            f = frozen.get(id(v), MISSING)
-            if f is MISSING:
-                f = frozen[id(v)] = freeze(v)
-            pairs.append((name, f))
-        signature = tuple(pairs)
+    group_of_row: dict[Any, dict[str, Any]] = {}
+    for row, fqn in _first_fqns(rows, hyper).items():
+        values = hyper[fqn]
+        signature = tuple(zip(row[0], map(freeze, values.values()), strict=True))
         group = groups.get(signature)
         if group is None:
             group = groups[signature] = {**values, PARAMS: []}
-        group[PARAMS].append(fqn)
+        group_of_row[row] = group
+    for fqn, row in zip(hyper, rows, strict=True):
+        group_of_row[row][PARAMS].append(fqn)
     return {STATE: state, PARAM_GROUPS: list(groups.values())}
+
+
+def _first_fqns(rows: list[Any], hyper: Mapping[str, Any]) -> dict[Any, str]:
+    """Each distinct row of ``rows`` (one per fqn of ``hyper``): the fqn where it first appears."""
+    first: dict[Any, str] = {}
+    for row, fqn in zip(rows, hyper, strict=True):
+        first.setdefault(row, fqn)
+    return first
+
+
+def _rows(fqns: list[str], names: list[str], values: list[Any]) -> dict[str, Any]:
+    """``{fqn: {name: value}}`` from values laid out row after row, one row per fqn."""
+    k = len(names)
+    columns = [values[j::k] for j in range(k)]
+    rows = zip(*columns, strict=True)  # one tuple per fqn
+    return dict(zip(fqns, map(dict, map(zip, repeat(names), rows)), strict=True))
+
+
+def _state_by_rows(
+    keys: list[str], flat: Mapping[str, Any], is_state: bytes, hyper: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The ``state.*`` keys as ``{fqn: {name: value}}``, if they have torch's usual shape.
+
+    Usual: every parameter with state has the same state names, none holding a dot,
+    in the same order, one parameter after another, each a fqn of ``hyper``. Then
+    each key ``state.<fqn>.<name>`` is what the key-by-key path would split it into
+    (the longest known fqn ending at a dot is ``fqn`` itself). Checked as
+    :class:`~dsdmerge._table.PgTable` checks its keys: one comparison of the keys
+    joined by NUL. ``None`` when they do not have that shape.
+    """
+    if not keys:
+        return {}
+    found = split_param_key(keys[0][len(STATE_PREFIX) :], hyper)
+    if found is None:
+        return None
+    prefix = f"{STATE_PREFIX}{found[0]}."
+    names = []
+    for key in keys:
+        if not key.startswith(prefix):
+            break
+        names.append(key[len(prefix) :])
+    k = len(names)
+    if len(keys) % k or not all(names) or "." in "".join(names) or len(set(names)) != k:
+        return None
+    suffix = "." + names[0]
+    heads = keys[::k]
+    if not all(map(str.endswith, heads, repeat(suffix))):
+        return None
+    fqns = list(map(itemgetter(slice(len(STATE_PREFIX), -len(suffix))), heads))
+    if not all(map(hyper.__contains__, fqns)) or len(set(fqns)) != len(fqns):
+        return None
+    got = "\0".join(keys)
+    if got.count("\0") != len(keys) - 1:
+        return None
+    prefixes = list(map(add, repeat(STATE_PREFIX), map(add, fqns, repeat("."))))
+    rows_text = map(add, prefixes, map(str.join, map(add, repeat("\0"), prefixes), repeat(names)))
+    if got != "\0".join(rows_text):
+        return None
+    return _rows(fqns, names, list(compress(flat.values(), is_state)))
 
 
 _INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")

@@ -1,16 +1,18 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from conftest import Snapshot, same_tree
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from optimizers import ShampooLike
 from torch import nn
 
 import dsdmerge as dm
+from dsdmerge.strategies import optimizer_state_dicts
 
 torch_flatten = pytest.importorskip("torch.distributed.checkpoint.state_dict")
 _flatten_optim = getattr(torch_flatten, "_flatten_optim_state_dict", None)
@@ -434,3 +436,108 @@ def test_unflatten_keys_holding_nul_are_looked_up():
     }
     with pytest.raises(dm.LayoutError, match="no place"):
         dm.unflatten(bad, like=like)
+
+
+# --------------------------------------------------------------------------------------
+# unflatten without like: the by-rows path (torch's layout) equals the key-by-key path
+
+
+def _key_by_key(flat):
+    """unflatten with its by-rows shortcuts turned off (the plain, key-by-key path)."""
+    import importlib
+
+    module = importlib.import_module("dsdmerge.flatten")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module.PgTable, "of", classmethod(lambda cls, r: None))
+        mp.setattr(module, "_state_by_rows", lambda *args: None)
+        return dm.unflatten(flat)
+
+
+def _same_nested(a, b):
+    """The same structure, key order included, and the same leaves (strings equal)."""
+    if isinstance(a, dict):
+        assert type(b) is dict
+        assert list(a) == list(b)
+        for k in a:
+            _same_nested(a[k], b[k])
+    elif isinstance(a, list):
+        assert type(b) is list
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same_nested(x, y)
+    else:
+        assert a is b or (type(a) is str and a == b), (a, b)
+
+
+@settings(max_examples=300)  # a few milliseconds per example
+@given(
+    optimizer_state_dicts(
+        layout="flat", min_params=1, max_params=8, max_groups=3, allow_optimizer_entries=True
+    ),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(
+        ["torch", "shuffled", "one state key dropped", "one state name changed", "equal copies"]
+    ),
+)
+def test_unflatten_by_rows_equals_key_by_key(flat, seed, how):
+    import random
+
+    rng = random.Random(seed)
+    if how == "shuffled":
+        keys = list(flat)
+        rng.shuffle(keys)
+        flat = {k: flat[k] for k in keys}
+    elif how == "one state key dropped":
+        state = [k for k in flat if k.startswith("state.")]
+        if state:
+            flat = {k: v for k, v in flat.items() if k != rng.choice(state)}
+    elif how == "one state name changed":  # not torch's shape any more: key by key
+        state = [k for k in flat if k.startswith("state.")]
+        if len(state) > 1:
+            renamed = state[-1].rpartition(".")[0] + ".renamed"
+            flat = {(renamed if k == state[-1] else k): v for k, v in flat.items()}
+    elif how == "equal copies":  # equal hyperparameters that are other objects
+        flat = {
+            k: float(repr(v)) if type(v) is float and rng.random() < 0.3 else v
+            for k, v in flat.items()
+        }
+    try:
+        expected, error = _key_by_key(flat), None
+    except dm.LayoutError as err:
+        expected, error = None, str(err)
+    if error is not None:
+        with pytest.raises(dm.LayoutError, match=re.escape(error)):
+            dm.unflatten(flat)
+        return
+    out = dm.unflatten(flat)
+    _same_nested(out, expected)
+    # the groups, by their definition: parameters whose hyperparameters are all equal (names
+    # and values, equal objects or not), in order of first appearance
+    from dsdmerge._values import freeze
+
+    hyper: dict = {}
+    for key, v in flat.items():
+        if key.startswith("param_groups."):
+            fqn, _, name = key[len("param_groups.") :].rpartition(".")
+            hyper.setdefault(fqn, {})[name] = v
+    naive: dict = {}
+    for fqn, values in hyper.items():
+        naive.setdefault(tuple((n, freeze(v)) for n, v in values.items()), []).append(fqn)
+    assert [g["params"] for g in out["param_groups"]] == list(naive.values())
+
+
+def test_unflatten_reads_a_state_name_off_the_pattern_key_by_key():
+    """One parameter's state names differ from the first parameter's: the by-rows shortcut
+    must notice (its joined comparison) and read that key as it is."""
+    names = ("step", "exp_avg", "exp_avg_sq")
+    flat = {f"state.p{i}.{n}": (i, n) for i in range(3) for n in names}
+    flat |= {f"param_groups.p{i}.lr": 0.1 for i in range(3)}
+    flat = {("state.p1.other" if k == "state.p1.exp_avg" else k): v for k, v in flat.items()}
+    out = dm.unflatten(flat)
+    assert out["state"]["p1"] == {
+        "step": (1, "step"),
+        "other": (1, "exp_avg"),
+        "exp_avg_sq": (1, "exp_avg_sq"),
+    }
+    assert out["state"]["p0"] == {n: (0, n) for n in names}
+    assert out["param_groups"] == [{"lr": 0.1, "params": ["p0", "p1", "p2"]}]
