@@ -242,31 +242,41 @@ def equal_hyperparameters(rows: Iterable[tuple[Any, Iterable[tuple[str, Any]]]])
 def inferred_rows(table: PgTable) -> list[list[int]]:
     """Rows whose reference hyperparameters are all equal, in order of first appearance.
 
-    Members of a group share their value objects, so rows are matched by identity
-    to a few template rows (a bit mask per template, ANDed over the columns), and
+    Equal as :func:`equal_hyperparameters` compares them: the same names in the same
+    order (rows of blocks that order them differently are different groups, as torch
+    writes each group in its own dict's order) and equal values. Members of a group
+    share their value objects, so rows are matched by identity to a few template rows
+    (a bit mask per template, ANDed over the columns and the rows of its order), and
     only the templates are frozen and compared by value.
     """
     k, n_rows = len(table.names), len(table.fqns)
+    col = dict(zip(table.names, count()))
+    blocks = table.blocks or [(0, n_rows, table.names)]
+
+    def items(i: int) -> list[tuple[str, Any]]:  # row i's hyperparameters, in its own order
+        names = next(names for first, end, names in blocks if first <= i < end)
+        return [(name, table.values[i * k + col[name]]) for name in names]
+
     columns = [table.values[j::k] for j in range(k)]
     left = (1 << (8 * n_rows)) - 1  # a bit per row at 8-bit spacing: the rows not matched
     left &= int.from_bytes(b"\x01" * n_rows, "little")
+    in_order: dict[tuple[str, ...], int] = {}  # an order of the names -> its rows
+    for first, end, names in blocks:
+        rows = b"\x00" * first + b"\x01" * (end - first) + b"\x00" * (n_rows - end)
+        in_order[tuple(names)] = in_order.get(tuple(names), 0) | int.from_bytes(rows, "little")
     templates: list[tuple[int, int]] = []  # (first row, mask of the rows like it)
     while left:
         if len(templates) == 64:  # too many distinct rows for masks: freeze every row
-            return equal_hyperparameters(
-                (i, zip(table.names, table.values[i * k : i * k + k], strict=True))
-                for i in range(n_rows)
-            )
+            return equal_hyperparameters((i, items(i)) for i in range(n_rows))
         t = ((left & -left).bit_length() - 1) // 8
-        mask = left
+        mask = left & in_order[tuple(name for name, _ in items(t))]
         for column in columns:
             mask &= int.from_bytes(bytes(map(is_, column, repeat(column[t]))), "little")
         templates.append((t, mask))
         left &= ~mask
     masks: dict[Any, int] = {}  # signature -> rows, in order of first appearance
     for t, mask in templates:
-        row = table.values[t * k : t * k + k]
-        signature = tuple((name, freeze(v)) for name, v in zip(table.names, row, strict=True))
+        signature = tuple((name, freeze(v)) for name, v in items(t))
         masks[signature] = masks.get(signature, 0) | mask
     return [list(compress(count(), mask.to_bytes(n_rows, "little"))) for mask in masks.values()]
 
@@ -323,6 +333,8 @@ def _resolve_table(
         c_vals = list(map(c.get, table.keys, repeat(MISSING)))
     else:
         c_vals = list(compress(c_at_r(), table.picked))
+        if table.order is not None:  # into the table's order (see PgTable.order)
+            c_vals = list(map(c_vals.__getitem__, table.order))
     k = len(table.names)
     if backfilled:
         fqns = table.fqns
@@ -342,8 +354,12 @@ def _resolve_table(
         )
     if not conflicts:
         return
+    blocks = table.blocks or [(0, len(table.fqns), table.names)]
     for index, members in enumerate(rows):
         found: list[tuple[int, int, str]] = []
+        # reported in the order the group's keys name them (its first member's block)
+        names = next((b for first, end, b in blocks if members and first <= members[0] < end), [])
+        place = dict(zip(names, count()))
         for j, name in enumerate(table.names):
             column = list(map(c_vals[j::k].__getitem__, members))
             if column and all(map(is_, column, repeat(column[0]))) and column[0] is not MISSING:
@@ -361,7 +377,7 @@ def _resolve_table(
                         (table.fqns[members[first[0]]], first[1]),
                         (table.fqns[members[at]], value),
                     )
-                    found.append((at, j, text))
+                    found.append((at, place.get(name, j), text))
                     break
         found.sort(key=itemgetter(0, 1))
         outcome.conflicts.extend(text for _, _, text in found)

@@ -31,18 +31,26 @@ __all__ = ["PgTable", "parse_groups"]
 class PgTable:
     """The ``param_groups.*`` keys of a flat state dict as a table: one row per parameter.
 
-    Torch's flattened format writes, for every parameter, the same hyperparameters in
-    the same order. When a state dict's keys have that shape, group inference,
+    Torch's flattened format writes, for every parameter, the same hyperparameters,
+    in its group's order, one parameter after another. When a state dict's keys have
+    that shape, group inference,
     backfills and conflict checks work on columns of the table in C-level passes
     (:mod:`dsdmerge._groups`); row ``i``, column ``j`` is the key
     ``param_groups.<fqns[i]>.<names[j]>``, whose value is ``values[i * len(names) + j]``.
     """
 
     picked: bytes  # 1 per reference key that is a param_groups.* key
-    keys: list[str]  # those keys, row after row
+    keys: list[str]  # those keys, row after row, each row in the order of ``names``
     fqns: list[str]  # one per row
     names: list[str]  # the hyperparameters, one per column
-    values: list[Any]  # the reference's values, row after row
+    values: list[Any]  # the reference's values, as ``keys``
+    # rows (first, end) whose keys stand in another order of the names (torch writes each
+    # group's hyperparameters in its own dict's order: a no-decay group made as
+    # {"params": ..., "weight_decay": 0.0} has weight_decay first), with that order; and
+    # where each cell's key stands among the picked keys, when some block is not in the
+    # order of ``names`` (else None: cell i is picked key i)
+    blocks: list[tuple[int, int, list[str]]] = dataclasses.field(default_factory=list)
+    order: list[int] | None = None
 
     @classmethod
     def of(cls, r: Mapping[str, Any]) -> PgTable | None:
@@ -76,43 +84,96 @@ class PgTable:
 
         The shape is checked without splitting every key: the first row gives the
         hyperparameter names, the first key of each row its fqn, and then every key
-        must be ``param_groups.<row fqn>.<column name>`` (one comparison of NUL-joined
-        texts), which is what :func:`parse_groups` would make of it.
+        must be ``param_groups.<row fqn>.<name>`` (one comparison of NUL-joined
+        texts), which is what :func:`parse_groups` would make of it. Rows come in
+        blocks (param groups) that may each order the names their own way.
         """
         n = len(PG_PREFIX)
-        if not keys:
+        names = _row_names(keys, 0, None)
+        if names is None:
             return None
-        first_fqn, dot, _ = keys[0][n:].rpartition(".")
-        names = []
-        for key in keys:
-            fqn, dot, name = key[n:].rpartition(".")
-            if fqn != first_fqn:
-                break
-            names.append(name)
         k = len(names)
         rows, rest = divmod(len(keys), k)
-        if rest or not dot or not first_fqn or len(set(names)) != k or "." in "".join(names):
+        if rest:
             return None
-        suffix = "." + names[0]
-        heads = keys[::k]
-        if not all(map(str.endswith, heads, repeat(suffix))):
-            return None
-        fqns = list(map(itemgetter(slice(n, -len(suffix))), heads))
-        if not all(fqns) or len(set(fqns)) != rows:
-            return None
-        # every key is param_groups.<its row's fqn>.<its column's name>: the keys joined by
-        # NUL equal the expected keys joined by NUL (one join per row builds them), and no
-        # key holds a NUL itself (then the joined texts split only one way)
+        # every key is param_groups.<its row's fqn>.<a name>: the keys joined by NUL equal the
+        # expected keys joined by NUL (one join per row builds them), and no key holds a NUL
+        # itself (then the joined texts split only one way)
         got = "\0".join(keys)
         if got.count("\0") != len(keys) - 1:
             return None
-        prefixes = list(map(add, repeat(PG_PREFIX), map(add, fqns, repeat("."))))
-        rows_text = map(
-            add, prefixes, map(str.join, map(add, repeat("\0"), prefixes), repeat(names))
-        )
-        if got != "\0".join(rows_text):
+        fqns: list[str] = []
+        blocks: list[tuple[int, int, list[str]]] = []
+        texts = []
+        row = 0
+        while row < rows:
+            block_names = names if row == 0 else _row_names(keys, row * k, names)
+            if block_names is None:
+                return None
+            suffix = "." + block_names[0]
+            heads = keys[row * k :: k]
+            size = bytes(map(str.endswith, heads, repeat(suffix))).find(0)
+            size = len(heads) if size < 0 else size
+            if size == 0:
+                return None
+            block = list(map(itemgetter(slice(n, -len(suffix))), heads[:size]))
+            prefixes = list(map(add, repeat(PG_PREFIX), map(add, block, repeat("."))))
+            separators = map(add, repeat("\0"), prefixes)
+            texts.append(
+                "\0".join(map(add, prefixes, map(str.join, separators, repeat(block_names))))
+            )
+            fqns += block
+            blocks.append((row, row + size, block_names))
+            row += size
+        if not all(fqns) or len(set(fqns)) != rows or got != "\0".join(texts):
             return None
-        return cls(picked, keys, fqns, names, values())
+        if all(block_names == names for _, _, block_names in blocks):
+            return cls(picked, keys, fqns, names, values(), blocks)
+        order: list[int] = []
+        for first, end, block_names in blocks:
+            if block_names == names:
+                order += range(first * k, end * k)
+            else:
+                perm = list(map(block_names.index, names))
+                order += (base + p for base in range(first * k, end * k, k) for p in perm)
+        in_r = values()
+        table_keys = list(map(keys.__getitem__, order))
+        return cls(
+            picked, table_keys, fqns, names, list(map(in_r.__getitem__, order)), blocks, order
+        )
+
+
+def _row_names(keys: list[str], start: int, names: list[str] | None) -> list[str] | None:
+    """The names of the row whose first key is ``keys[start]``, in their order there.
+
+    Without ``names``: every key after it with the same fqn; with ``names``: the next
+    ``len(names)`` keys, which must spell a permutation of ``names`` after one prefix.
+    ``None`` if they cannot be a row (no fqn, a name that is empty, repeated or dotted).
+    """
+    if start >= len(keys):
+        return None
+    n = len(PG_PREFIX)
+    fqn, dot, _ = keys[start][n:].rpartition(".")
+    if not dot or not fqn:
+        return None
+    prefix = f"{PG_PREFIX}{fqn}."
+    if names is None:
+        found = []
+        for key in islice(keys, start, None):
+            head, _, name = key[n:].rpartition(".")
+            if head != fqn:
+                break
+            found.append(name)
+    else:
+        row = keys[start : start + len(names)]
+        if not all(map(str.startswith, row, repeat(prefix))):
+            return None
+        found = [key[len(prefix) :] for key in row]
+        if sorted(found) != sorted(names):
+            return None
+    if not all(found) or len(set(found)) != len(found) or "." in "".join(found):
+        return None
+    return found
 
 
 def parse_groups(flat: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:

@@ -170,7 +170,11 @@ def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[Any, Any]:
     is_pg = bytes(map(str.startswith, flat, repeat(PG_PREFIX)))
     table = PgTable.of(flat)
     if table is not None:  # torch's layout: the same, read by rows (see dsdmerge._table)
-        hyper = _rows(table.fqns, table.names, table.values)
+        k = len(table.names)
+        in_flat = list(compress(flat.values(), table.picked))  # each row in its own order
+        hyper: dict[str, dict[str, Any]] = {}
+        for first, end, names in table.blocks:
+            hyper |= _rows(table.fqns[first:end], names, in_flat[first * k : end * k])
     else:
         hyper = {}
         for key, v in compress(flat.items(), is_pg):

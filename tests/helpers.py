@@ -41,3 +41,19 @@ class Evil:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def rows_reordered(sd, start_fraction):
+    """A flat dict whose parameters from some row on list their hyperparameters in reverse
+    order (as torch writes a group whose dict orders them its own way): a table in blocks."""
+    rows: dict[str, list[str]] = {}
+    for key in sd:
+        if key.startswith("param_groups."):
+            rows.setdefault(key[len("param_groups.") :].rpartition(".")[0], []).append(key)
+    fqns = list(rows)
+    start = int(len(fqns) * start_fraction)
+    out = {k: v for k, v in sd.items() if not k.startswith("param_groups.")}
+    for i, fqn in enumerate(fqns):
+        keys = rows[fqn][::-1] if i >= start else rows[fqn]
+        out |= {k: sd[k] for k in keys}
+    return out

@@ -334,10 +334,16 @@ def _orders(sd: dict) -> dict[str, dict]:
     """``sd`` as torch orders it, with each parameter's keys together, and with one parameter's
     hyperparameters in another order (the same members, in the same order, every time)."""
     per_param = sorted(sd, key=lambda k: (k.split(".", 1)[1].rsplit(".", 1)[0], k))
-    odd = [k for k in sd if k != "param_groups.n.lr"] + ["param_groups.n.lr"]
+    # the last parameter's names in another order: a block of its own (as torch writes a
+    # group whose dict orders its hyperparameters differently)
+    own_order = [k for k in sd if k != "param_groups.n.lr"] + ["param_groups.n.lr"]
+    # two parameters' keys interleaved (each in its own order still): no rows, key by key
+    mixed = [f"param_groups.{f}.{name}" for name in ("lr", "weight_decay") for f in ("a", "new")]
+    odd = [k for k in sd if k not in mixed] + mixed
     return {
         "table": sd,
         "table after a full scan": {k: sd[k] for k in per_param},
+        "table with a block in its own order": {k: sd[k] for k in own_order},
         "key by key": {k: sd[k] for k in odd},
     }
 
@@ -374,7 +380,9 @@ def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
     # a and b disagree on lr, so the inferred group may be two groups scheduled apart: no
     # path picks an lr for "new" (every path refuses, naming the key and the two values)
     for ref in _orders(r).values():
-        with pytest.raises(dm.MergeError, match=r"disagree on 'lr' \(a has 5e-05, b has 4e-05\)"):
+        # (members in key order: the interleaved reference lists b first)
+        both = r"disagree on 'lr' \((a has 5e-05, b has 4e-05|b has 4e-05, a has 5e-05)\)"
+        with pytest.raises(dm.MergeError, match=both):
             dm.merge(c, ref, policy=policy)
     # with b's lr as a's, the group's value is plain: every path gives it to "new"
     c = {**c, "param_groups.b.lr": c["param_groups.a.lr"]}
@@ -390,6 +398,7 @@ def test_group_hyperparameters_agree_on_every_path(policy, monkeypatch):
         assert out.state_dict["param_groups.new.weight_decay"] is c["param_groups.a.weight_decay"]
     assert results["table"][3] == ["table of 8"]
     assert results["table after a full scan"][3] == ["no table", "table of 8"]
+    assert results["table with a block in its own order"][3] == ["table of 8"]
     assert results["key by key"][3] == ["no table", "key by key"]  # one try: same keys
     first, conflicts, n_warnings, _ = results["table"]
     for sd, *rest in results.values():
@@ -409,15 +418,23 @@ _NAMES = ["lr", "wd", "x\0", "y", "lr.z"]
     st.lists(st.sampled_from(_NAMES), min_size=1, max_size=3, unique=True),
     st.lists(st.tuples(st.integers(0, 17), st.sampled_from(_FQNS), st.sampled_from(_NAMES))),
     st.sampled_from(["", "param_groups.a\0param_groups.b.lr", "param_groups.b\0c.lr"]),
+    st.integers(0, 7),
 )
-def test_the_param_group_table_reads_every_key_as_parse_groups_does(fqns, names, edits, extra):
+def test_the_param_group_table_reads_every_key_as_parse_groups_does(
+    fqns, names, edits, extra, reversed_from
+):
     """PgTable.of's shape check (one comparison of NUL-joined keys) accepts only keys that are
     exactly param_groups.<row fqn>.<column name>, read as parse_groups reads them, even when
     fqns or names hold NULs or dots, or keys are replaced by others or an extra key sits
     among them."""
     from dsdmerge._table import PgTable, parse_groups
 
-    keys = [f"param_groups.{f}.{n}" for f in fqns for n in names]
+    # rows from reversed_from on list the names in reverse (a block in its own order)
+    keys = [
+        f"param_groups.{f}.{n}"
+        for i, f in enumerate(fqns)
+        for n in (names[::-1] if i >= reversed_from else names)
+    ]
     for at, fqn, name in edits:  # a key replaced by another spelling
         if at < len(keys):
             keys[at] = f"param_groups.{fqn}.{name}"
@@ -431,7 +448,12 @@ def test_the_param_group_table_reads_every_key_as_parse_groups_does(fqns, names,
     k = len(table.names)
     assert len(table.keys) == len(table.fqns) * k
     hyper, _ = parse_groups(r)
-    assert table.keys == [key for key in r if key.startswith("param_groups.")]
+    pg_keys = [key for key in r if key.startswith("param_groups.")]
+    in_r = pg_keys if table.order is None else [pg_keys[i] for i in table.order]
+    assert table.keys == in_r
+    assert sorted(table.keys) == sorted(pg_keys)
+    if table.order is not None:
+        assert sorted(table.order) == list(range(len(pg_keys)))
     for i, fqn in enumerate(table.fqns):
         for j, name in enumerate(table.names):
             key = table.keys[i * k + j]

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 from conftest import Snapshot, same_tree
+from helpers import rows_reordered
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optimizers import ShampooLike
@@ -476,7 +477,14 @@ def _same_nested(a, b):
     ),
     st.integers(0, 2**32 - 1),
     st.sampled_from(
-        ["torch", "shuffled", "one state key dropped", "one state name changed", "equal copies"]
+        [
+            "torch",
+            "shuffled",
+            "one state key dropped",
+            "one state name changed",
+            "groups in their own orders",
+            "equal copies",
+        ]
     ),
 )
 def test_unflatten_by_rows_equals_key_by_key(flat, seed, how):
@@ -496,6 +504,8 @@ def test_unflatten_by_rows_equals_key_by_key(flat, seed, how):
         if len(state) > 1:
             renamed = state[-1].rpartition(".")[0] + ".renamed"
             flat = {(renamed if k == state[-1] else k): v for k, v in flat.items()}
+    elif how == "groups in their own orders":
+        flat = rows_reordered(flat, rng.choice([0.0, 0.5]))
     elif how == "equal copies":  # equal hyperparameters that are other objects
         flat = {
             k: float(repr(v)) if type(v) is float and rng.random() < 0.3 else v

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import rows_reordered
 from hypothesis import given
 from hypothesis import strategies as st
 from semantics_check import assert_same_outcome
@@ -172,3 +173,14 @@ def test_a_conflict_in_torch_layout_at_scale_is_found():
         dm.merge(c, r, policy="strict")
     c["param_groups.layers.150.w.lr"] = float(repr(lr))  # equal, another object
     assert dm.merge(c, r, policy="strict") == c
+
+
+@given(all_pairs, OPTIONS, st.sampled_from([0.0, 0.5, 1.0]), st.booleans())
+def test_groups_in_their_own_orders_equal_the_semantics(pair, options, start, both):
+    """Param groups whose hyperparameters stand in different orders (the table read in
+    blocks, dsdmerge._table.PgTable.blocks) give the semantics' outcome."""
+    c, r = (dm.flatten(sd) for sd in pair)
+    r = rows_reordered(r, start)
+    if both:
+        c = rows_reordered(c, start)
+    assert_same_outcome(c, r, **options)
