@@ -205,15 +205,23 @@ def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[Any, Any]:
             fqn, rest = found
             _insert(state.setdefault(fqn, {}), rest.split("."), v, key)
     # parameters whose hyperparameters are all equal (same names, equal values) form a group,
-    # in order of first appearance. Members of a group usually share their value objects, so
-    # each distinct row of objects (names and ids: every value is alive in flat) is frozen once
-    rows = list(
-        zip(
-            map(tuple, hyper.values()),
-            map(tuple, map(map, repeat(id), map(dict.values, hyper.values()))),
-            strict=True,
+    # in order of first appearance. Each distinct row is frozen once: plain scalars are told
+    # apart by their types and values (torch.load gives each parameter its own float
+    # objects), other values by their objects (every value is alive in flat). Rows that are
+    # equal but told apart here (NaN is never == itself) are joined by their frozen signature.
+    names_rows = list(map(tuple, hyper.values()))
+    value_rows = list(map(tuple, map(dict.values, hyper.values())))
+    type_rows = list(map(tuple, map(map, repeat(type), value_rows)))
+    plain = {  # per row of types: which cells are plain, which are not
+        types: (bytes(t in _PLAIN for t in types), bytes(t not in _PLAIN for t in types))
+        for types in set(type_rows)
+    }
+    rows = [
+        (names, types, tuple(compress(values, is_plain)), tuple(map(id, compress(values, other))))
+        for names, types, values, (is_plain, other) in zip(
+            names_rows, type_rows, value_rows, map(plain.__getitem__, type_rows), strict=True
         )
-    )
+    ]
     groups: dict[Any, dict[str, Any]] = {}
     group_of_row: dict[Any, dict[str, Any]] = {}
     for row, fqn in _first_fqns(rows, hyper).items():
@@ -287,6 +295,8 @@ def _state_by_rows(
     return _rows(fqns, names, list(compress(flat.values(), is_state)))
 
 
+# Values compared by type and ==, as freeze compares them
+_PLAIN = frozenset({float, int, bool, str, type(None)})
 _INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 

@@ -551,3 +551,23 @@ def test_unflatten_reads_a_state_name_off_the_pattern_key_by_key():
     }
     assert out["state"]["p0"] == {n: (0, n) for n in names}
     assert out["param_groups"] == [{"lr": 0.1, "params": ["p0", "p1", "p2"]}]
+
+
+def test_unflatten_groups_by_equal_hyperparameters_not_by_objects():
+    """Groups without like: equal values are one group whatever their objects (NaN, a tuple
+    spelled twice, floats as torch.load gives them), values of other types are not (1, 1.0
+    and True are == but not equal hyperparameters)."""
+    nan1, nan2 = float("nan"), float("nan")
+    rows = {
+        "a": {"lr": float("0.001"), "betas": (0.9, 0.99), "eps": nan1},
+        "b": {"lr": float("0.001"), "betas": (0.9, 0.99), "eps": nan2},  # equal, other objects
+        "c": {"lr": 1, "betas": (0.9, 0.99), "eps": nan1},
+        "d": {"lr": 1.0, "betas": (0.9, 0.99), "eps": nan1},
+        "e": {"lr": True, "betas": (0.9, 0.99), "eps": nan1},
+        "f": {"lr": 1.0, "betas": (0.9, 0.99), "eps": float("nan")},
+    }
+    flat = {f"param_groups.{p}.{n}": v for p, hp in rows.items() for n, v in hp.items()}
+    flat = {**{f"state.{p}.step": 1 for p in rows}, **flat}
+    groups = dm.unflatten(flat)["param_groups"]
+    assert [g["params"] for g in groups] == [["a", "b"], ["c"], ["d", "f"], ["e"]]
+    assert [type(g["lr"]) for g in groups] == [float, int, float, bool]
