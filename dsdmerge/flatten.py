@@ -21,7 +21,7 @@ from typing import Any
 
 from dsdmerge._gc import gc_paused
 from dsdmerge._keys import require_str_keys
-from dsdmerge._table import PgTable
+from dsdmerge._table import PgTable, joined, spelled_rows
 from dsdmerge._trees import flatten
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError
@@ -285,12 +285,9 @@ def _state_by_rows(
     fqns = list(map(itemgetter(slice(len(STATE_PREFIX), -len(suffix))), heads))
     if not all(map(hyper.__contains__, fqns)) or len(set(fqns)) != len(fqns):
         return None
-    got = "\0".join(keys)
-    if got.count("\0") != len(keys) - 1:
-        return None
+    got = joined(keys)
     prefixes = list(map(add, repeat(STATE_PREFIX), map(add, fqns, repeat("."))))
-    rows_text = map(add, prefixes, map(str.join, map(add, repeat("\0"), prefixes), repeat(names)))
-    if got != "\0".join(rows_text):
+    if got is None or got != spelled_rows(prefixes, names):
         return None
     return _rows(fqns, names, list(compress(flat.values(), is_state)))
 
@@ -535,12 +532,10 @@ class _Unflattener:
             if self.keys is None:
                 self.keys, self.values = list(flat), list(flat.values())
             at = self.after
-            got = "\0".join(self.keys[at : at + n])
-            if got.count("\0") == n - 1:  # no key holds a NUL itself
-                rows = map(add, bases, map(str.join, map(add, repeat("\0"), bases), repeat(names)))
-                if got == "\0".join(rows):
-                    self.after = at + n
-                    return self.values[at : at + n]
+            got = joined(self.keys[at : at + n])
+            if got is not None and got == spelled_rows(bases, names):
+                self.after = at + n
+                return self.values[at : at + n]
         return self._values_of([b + name for b in bases for name in names])
 
     def _values_of(self, keys: list[str]) -> list[Any]:
