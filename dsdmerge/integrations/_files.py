@@ -39,6 +39,7 @@ __all__ = [
     "hf_header",
     "header_stats",
     "hf_layout",
+    "read_regular",
     "reading",
     "reason",
     "safetensors_header",
@@ -307,7 +308,7 @@ def hf_layout(path: str | os.PathLike[str], /) -> HFLayout:
         assert single is not None
         _inside(directory, single, where=where, what="the weights file")
         return HFLayout(directory, None, (single,), None, {})
-    data = _read_regular(os.path.join(directory, index), where=where, what=index)
+    data = read_regular(os.path.join(directory, index), where=where, what=index)
     try:
         parsed = json.loads(data)
     except (ValueError, RecursionError) as err:
@@ -362,7 +363,7 @@ def _inside(directory: str, name: str, *, where: str, what: str) -> str:
     return file
 
 
-def _read_regular(file: str, *, where: str, what: str) -> bytes:
+def read_regular(file: str, *, where: str, what: str) -> bytes:
     """The bytes of ``file`` if it is a regular file (never blocks on a FIFO or a device)."""
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))

@@ -75,6 +75,7 @@ from dsdmerge.integrations._files import (
     detect_format,
     hf_header,
     hf_layout,
+    read_regular,
     safetensors_header,
 )
 from dsdmerge.integrations._files import reading as _reading
@@ -776,33 +777,13 @@ def hf_shards(
 # DCP
 
 
-def _read_regular(file: str, *, where: str, what: str) -> bytes:
-    """The bytes of ``file`` if it is a regular file (never blocks on a FIFO or a device)."""
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as err:
-        raise CheckpointReadError(
-            f"{where}: cannot read {what}: {_reason(err)}", path=where
-        ) from err
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointReadError(f"{where}: {what} is not a regular file", path=where)
-        try:
-            return f.read(info.st_size)
-        except OSError as err:
-            raise CheckpointReadError(
-                f"{where}: cannot read {what}: {_reason(err)}", path=where
-            ) from err
-
-
 def _read_dcp_metadata(where: str, *, trusted: Trust) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from dsdmerge.integrations import _dcp_metadata
 
     file = os.path.join(where, _METADATA_FILE)
-    data = _read_regular(file, where=where, what=_METADATA_FILE)
+    data = read_regular(file, where=where, what=_METADATA_FILE)
     if trusted is not True:  # a list of globals widens torch.load, never this reader
         try:
             return _dcp_metadata.load_metadata(data, where=file)
