@@ -185,16 +185,7 @@ def _flatten_optimizer(
         if k in (STATE, PARAM_GROUPS):
             continue
         key = prefix + (k if type(k) is str else key_str(k, prefix[:-1]))
-        if isinstance(v, Mapping):
-            if id(v) in on_path:
-                raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
-            on_path.add(id(v))
-            # inside an optimizer, a mapping is a plain mapping (as merge, diff, unflatten see it)
-            written += flatten_tree(out, v, key + ".", on_path, optimizers=False)
-            on_path.discard(id(v))
-        else:
-            out[key] = v
-            written += 1
+        written += _put(out, key, v, on_path)
     return written
 
 
@@ -253,15 +244,24 @@ def _state_one_by_one(
             continue
         for name, v in entry.items():
             key = pkey + (name if type(name) is str else key_str(name, pkey[:-1]))
-            if isinstance(v, Mapping):  # nested state (Shampoo-like): dotted paths, as torch
-                if id(v) in on_path:
-                    raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
-                on_path.add(id(v))
-                written += flatten_tree(out, v, key + ".", on_path, optimizers=False)
-                on_path.discard(id(v))
-            else:
-                out[key] = v
-                written += 1
+            written += _put(out, key, v, on_path)  # nested state (Shampoo-like): dotted paths
+    return written
+
+
+def _put(out: dict[str, Any], key: str, v: Any, on_path: set[int]) -> int:
+    """Write a leaf at ``key``, or a mapping's leaves under it; return how many were written.
+
+    Inside an optimizer a mapping is a plain mapping (as merge, diff and unflatten see
+    it), flattened to dotted paths as torch does; a cycle is refused.
+    """
+    if not isinstance(v, Mapping):
+        out[key] = v
+        return 1
+    if id(v) in on_path:
+        raise LayoutError(f"cycle: the mapping at {key!r} contains itself")
+    on_path.add(id(v))
+    written = flatten_tree(out, v, key + ".", on_path, optimizers=False)
+    on_path.discard(id(v))
     return written
 
 
