@@ -24,7 +24,10 @@ from typing import Any
 
 from dsdmerge.layout import PG_PREFIX
 
-__all__ = ["PgTable", "joined", "parse_groups", "spelled_rows"]
+__all__ = ["Block", "PgTable", "joined", "parse_groups", "read_rows", "spelled_rows"]
+
+
+Block = tuple[int, int, list[str]]  # rows (first, end) and their names, in their order there
 
 
 @dataclasses.dataclass
@@ -49,7 +52,7 @@ class PgTable:
     # {"params": ..., "weight_decay": 0.0} has weight_decay first), with that order; and
     # where each cell's key stands among the picked keys, when some block is not in the
     # order of ``names`` (else None: cell i is picked key i)
-    blocks: list[tuple[int, int, list[str]]] = dataclasses.field(default_factory=list)
+    blocks: list[Block] = dataclasses.field(default_factory=list)
     order: list[int] | None = None
 
     @classmethod
@@ -82,48 +85,15 @@ class PgTable:
     ) -> PgTable | None:
         """The table of ``keys`` (at the positions ``picked``), if they have its shape.
 
-        The shape is checked without splitting every key: the first row gives the
-        hyperparameter names, the first key of each row its fqn, and then every key
-        must be ``param_groups.<row fqn>.<name>`` (one comparison of NUL-joined
-        texts), which is what :func:`parse_groups` would make of it. Rows come in
-        blocks (param groups) that may each order the names their own way.
+        Read by :func:`read_rows`: every key is ``param_groups.<row fqn>.<name>``,
+        which is what :func:`parse_groups` would make of it.
         """
-        n = len(PG_PREFIX)
-        names = _row_names(keys, 0, None)
-        if names is None:
+        found = read_rows(keys, PG_PREFIX)
+        if found is None:
             return None
+        fqns, blocks = found
+        names = blocks[0][2]
         k = len(names)
-        rows, rest = divmod(len(keys), k)
-        if rest:
-            return None
-        # every key is param_groups.<its row's fqn>.<a name>: the keys joined by NUL equal the
-        # expected keys joined by NUL (one join per row builds them), and no key holds a NUL
-        # itself (then the joined texts split only one way)
-        got = joined(keys)
-        if got is None:
-            return None
-        fqns: list[str] = []
-        blocks: list[tuple[int, int, list[str]]] = []
-        texts = []
-        row = 0
-        while row < rows:
-            block_names = names if row == 0 else _row_names(keys, row * k, names)
-            if block_names is None:
-                return None
-            suffix = "." + block_names[0]
-            heads = keys[row * k :: k]
-            size = bytes(map(str.endswith, heads, repeat(suffix))).find(0)
-            size = len(heads) if size < 0 else size
-            if size == 0:
-                return None
-            block = list(map(itemgetter(slice(n, -len(suffix))), heads[:size]))
-            prefixes = list(map(add, repeat(PG_PREFIX), map(add, block, repeat("."))))
-            texts.append(spelled_rows(prefixes, block_names))
-            fqns += block
-            blocks.append((row, row + size, block_names))
-            row += size
-        if not all(fqns) or len(set(fqns)) != rows or got != "\0".join(texts):
-            return None
         if all(block_names == names for _, _, block_names in blocks):
             return cls(picked, keys, fqns, names, values(), blocks)
         order: list[int] = []
@@ -138,6 +108,55 @@ class PgTable:
         return cls(
             picked, table_keys, fqns, names, list(map(in_r.__getitem__, order)), blocks, order
         )
+
+
+def read_rows(keys: list[str], prefix: str) -> tuple[list[str], list[Block]] | None:
+    """``keys`` read as rows ``<prefix><fqn>.<name>``, one row per fqn, if they are that.
+
+    The shape is checked without splitting every key: the first row gives the names,
+    the first key of each row its fqn, and then every key must be
+    ``<prefix><row fqn>.<name>`` (one comparison of NUL-joined texts), which is what
+    splitting each key at its last dot would make of it. Rows come in blocks (param
+    groups) that may each order the names their own way. Returns the fqns (unique,
+    none empty) and the blocks ``(first row, end row, names in their order there)``.
+    """
+    n = len(prefix)
+    names = _row_names(keys, 0, None, prefix)
+    if names is None:
+        return None
+    k = len(names)
+    rows, rest = divmod(len(keys), k)
+    if rest:
+        return None
+    # every key is <prefix><its row's fqn>.<a name>: the keys joined by NUL equal the expected
+    # keys joined by NUL (one join per row builds them), and no key holds a NUL itself (then
+    # the joined texts split only one way)
+    got = joined(keys)
+    if got is None:
+        return None
+    fqns: list[str] = []
+    blocks: list[Block] = []
+    texts = []
+    row = 0
+    while row < rows:
+        block_names = names if row == 0 else _row_names(keys, row * k, names, prefix)
+        if block_names is None:
+            return None
+        suffix = "." + block_names[0]
+        heads = keys[row * k :: k]
+        size = bytes(map(str.endswith, heads, repeat(suffix))).find(0)
+        size = len(heads) if size < 0 else size
+        if size == 0:
+            return None
+        block = list(map(itemgetter(slice(n, -len(suffix))), heads[:size]))
+        prefixes = list(map(add, repeat(prefix), map(add, block, repeat("."))))
+        texts.append(spelled_rows(prefixes, block_names))
+        fqns += block
+        blocks.append((row, row + size, block_names))
+        row += size
+    if not all(fqns) or len(set(fqns)) != rows or got != "\0".join(texts):
+        return None
+    return fqns, blocks
 
 
 def joined(keys: list[str]) -> str | None:
@@ -160,7 +179,9 @@ def spelled_rows(prefixes: list[str], names: list[str]) -> str:
     return "\0".join(map(add, prefixes, map(str.join, separators, repeat(names))))
 
 
-def _row_names(keys: list[str], start: int, names: list[str] | None) -> list[str] | None:
+def _row_names(
+    keys: list[str], start: int, names: list[str] | None, prefix: str
+) -> list[str] | None:
     """The names of the row whose first key is ``keys[start]``, in their order there.
 
     Without ``names``: every key after it with the same fqn; with ``names``: the next
@@ -169,11 +190,11 @@ def _row_names(keys: list[str], start: int, names: list[str] | None) -> list[str
     """
     if start >= len(keys):
         return None
-    n = len(PG_PREFIX)
+    n = len(prefix)
     fqn, dot, _ = keys[start][n:].rpartition(".")
-    if not dot or not fqn:
+    if not dot or not fqn or not keys[start].startswith(prefix):
         return None
-    prefix = f"{PG_PREFIX}{fqn}."
+    prefix = f"{prefix}{fqn}."
     if names is None:
         found = []
         for key in islice(keys, start, None):

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 from functools import partial
 from itertools import chain, compress, count, filterfalse, islice, repeat
-from operator import add, is_, itemgetter
+from operator import is_
 from typing import Any
 
 from dsdmerge._gc import gc_paused
 from dsdmerge._keys import require_str_keys
-from dsdmerge._table import PgTable, joined, spelled_rows
+from dsdmerge._table import PgTable, joined, read_rows, spelled_rows
 from dsdmerge._trees import flatten
 from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError
@@ -257,39 +257,23 @@ def _state_by_rows(
 ) -> dict[str, Any] | None:
     """The ``state.*`` keys as ``{fqn: {name: value}}``, if they have torch's usual shape.
 
-    Usual: every parameter with state has the same state names, none holding a dot,
-    in the same order, one parameter after another, each a fqn of ``hyper``. Then
-    each key ``state.<fqn>.<name>`` is what the key-by-key path would split it into
-    (the longest known fqn ending at a dot is ``fqn`` itself). Checked as
-    :class:`~dsdmerge._table.PgTable` checks its keys: one comparison of the keys
-    joined by NUL. ``None`` when they do not have that shape.
+    Usual: rows ``state.<fqn>.<name>`` read by :func:`~dsdmerge._table.read_rows` (one
+    parameter after another, state names without dots), each fqn one of ``hyper``.
+    Then each key is what the key-by-key path would split it into (the longest known
+    fqn ending at a dot is ``fqn`` itself). ``None`` when they do not have that shape.
     """
     if not keys:
         return {}
-    found = split_param_key(keys[0][len(STATE_PREFIX) :], hyper)
-    if found is None:
+    found = read_rows(keys, STATE_PREFIX)
+    if found is None or not all(map(hyper.__contains__, found[0])):
         return None
-    prefix = f"{STATE_PREFIX}{found[0]}."
-    names = []
-    for key in keys:
-        if not key.startswith(prefix):
-            break
-        names.append(key[len(prefix) :])
-    k = len(names)
-    if len(keys) % k or not all(names) or "." in "".join(names) or len(set(names)) != k:
-        return None
-    suffix = "." + names[0]
-    heads = keys[::k]
-    if not all(map(str.endswith, heads, repeat(suffix))):
-        return None
-    fqns = list(map(itemgetter(slice(len(STATE_PREFIX), -len(suffix))), heads))
-    if not all(map(hyper.__contains__, fqns)) or len(set(fqns)) != len(fqns):
-        return None
-    got = joined(keys)
-    prefixes = list(map(add, repeat(STATE_PREFIX), map(add, fqns, repeat("."))))
-    if got is None or got != spelled_rows(prefixes, names):
-        return None
-    return _rows(fqns, names, list(compress(flat.values(), is_state)))
+    fqns, blocks = found
+    k = len(blocks[0][2])
+    values = list(compress(flat.values(), is_state))
+    state: dict[str, Any] = {}
+    for first, end, names in blocks:
+        state |= _rows(fqns[first:end], names, values[first * k : end * k])
+    return state
 
 
 # Values compared by type and ==, as freeze compares them
