@@ -29,7 +29,7 @@ def gc_paused() -> Iterator[None]:
     collector's state is restored when the last one ends, exactly as it was when the
     first began.
 
-    Example:
+    Examples:
         >>> import gc
         >>> from dsdmerge._gc import gc_paused
         >>> with gc_paused():

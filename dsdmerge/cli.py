@@ -1072,7 +1072,7 @@ def output_format(out: Path, requested: str | None = None, /, *, directory: str 
     Raises:
         CLIError: The name and ``--format`` disagree, or neither says a format.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> from dsdmerge.cli import output_format
         >>> output_format(Path("resume.pt")), output_format(Path("merged"))
@@ -1231,7 +1231,7 @@ def write_checkpoint(
         CLIError: ``out`` exists and ``force`` is false or it may not be replaced,
             or the state dict cannot be written in that format.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from dsdmerge.cli import write_checkpoint
@@ -1484,7 +1484,7 @@ def reference_state_dict(built: Any, /, *, optimizer_layout: str = "fqn") -> dic
     Raises:
         CLIError: ``built`` is none of the above.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.cli import reference_state_dict
         >>> model = torch.nn.Linear(2, 1)
@@ -1670,7 +1670,7 @@ building the parser imports nothing heavy (a test keeps the two equal)."""
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dsdmerge`` command.
 
-    Example:
+    Examples:
         >>> from dsdmerge.cli import build_parser
         >>> build_parser().parse_args(["diff", "a.pt", "b.pt", "--json"]).json
         True
@@ -1970,7 +1970,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 (success; for ``diff``, nothing differs), 1 (``diff``: something differs;
         ``merge``: the policy refused) or 2 (an error).
 
-    Example:
+    Examples:
         >>> from dsdmerge.cli import main
         >>> main(["inspect", "/no/such/file.pt"])  # doctest: +SKIP
         2

@@ -64,7 +64,7 @@ def diff(
         LayoutError: An argument is malformed (see :func:`~dsdmerge.flatten`).
         RenameError: A rename rule is not valid, or renames two keys to one.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> ckpt = {"w": torch.zeros(2), "old": torch.zeros(1)}
         >>> ref = {"w": torch.zeros(2), "head": torch.zeros(4)}

@@ -46,7 +46,7 @@ class DSDMergeError(Exception):
         diff: The :class:`~dsdmerge.KeyDiff` that led to the error, or ``None``
             when the error is not about a difference between two state dicts.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.classify([1, 2])
@@ -112,7 +112,7 @@ class RenameError(DSDMergeError, ValueError):
         keys: For a collision, the two original keys (or fqns), sorted; else ``()``.
         target: For a collision, the key both would be renamed to; else ``""``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.rename({"a.w": 1, "b.w": 2}, {r"^[ab]\.": ""})

@@ -29,7 +29,7 @@ PG_PREFIX = "param_groups."
 class Layout(str, enum.Enum):
     """The two layouts a state dict can have.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.Layout.FLAT == "flat", str(dm.Layout.NESTED)
         (True, 'nested')
@@ -68,7 +68,7 @@ def is_optimizer_state_dict(obj: object, /) -> bool:
     Returns:
         ``True`` for an optimizer-shaped mapping, else ``False``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.is_optimizer_state_dict({"state": {}, "param_groups": []})
         True
@@ -102,7 +102,7 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
         LayoutError: ``sd`` mixes nested optimizer sections (``"state"``,
             ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``).
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.classify({"state.w.step": 1, "param_groups.w.lr": 0.1})
         <Layout.FLAT: 'flat'>

@@ -120,7 +120,7 @@ class Pattern:
     ``str(pattern)`` is the pattern text (``layers.{0..2}.w``); ``len()`` and
     :attr:`count` are the number of keys.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress
         >>> [p] = compress(["layers.0.w", "layers.1.w", "layers.2.w", "layers.4.w"])
         >>> str(p), p.count
@@ -173,7 +173,7 @@ def compress(keys: Iterable[str], /, *, max_parts: int | None = None) -> list[Pa
         StateDictTypeError: A key is not a str.
         ValueError: ``max_parts`` is less than 1.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress
         >>> keys = [f"layers.{i}.attn.{w}" for i in (0, 1, 2, 3, 5) for w in ("wq", "wk")]
         >>> [(str(p), p.count) for p in compress(keys, max_parts=_PARTS)]
@@ -326,7 +326,7 @@ def parse_pattern(text: str, /) -> Pattern:
     Raises:
         PatternError: The text is not a valid pattern.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import parse_pattern
         >>> sorted(parse_pattern("a.{0..2,x}").keys())
         ['a.0', 'a.1', 'a.2', 'a.x']
@@ -408,7 +408,7 @@ def expand(pattern: Pattern | str, /) -> set[str]:
     Raises:
         PatternError: ``pattern`` is a text that does not parse.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress, expand
         >>> keys = {"layers.0.experts.1", "layers.1.experts.0", "head.w"}
         >>> set().union(*map(expand, compress(keys))) == keys
@@ -454,7 +454,7 @@ def format_keys(keys: Iterable[str], /, *, limit: int = _SHOWN) -> str:
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import format_keys
         >>> format_keys(["b", "a.0", "a.1", "a.2", "c.x"], limit=2)
         "'a.{0..2}' (3 keys), 'b' and 1 more key in 1 pattern"
@@ -496,7 +496,7 @@ def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> s
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> from dsdmerge.report import format_mismatches
         >>> format_mismatches(dm.diff({"w": torch.zeros(2)}, {"w": torch.zeros(3)}).mismatched)
@@ -549,7 +549,7 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> from dsdmerge.report import format_resized
         >>> rs = [dm.Resized.of(k, torch.zeros(2, 3), torch.zeros(4, 3)) for k in ("a.w", "b.w")]
@@ -622,7 +622,7 @@ def render(
         The report, without a trailing newline; ``"no differences"`` for an
         empty diff.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> print(dm.KeyDiff(missing=("a.0", "a.1", "a.2", "b")))
         4 keys missing from the checkpoint (will be taken from the reference):
@@ -711,7 +711,7 @@ def render_patterns(
         One line per shown pattern, plus ``"  ... and M more keys in K patterns"``
         when some are not shown.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress, render_patterns
         >>> print("\n".join(render_patterns(compress(["a.0", "a.1", "a.2", "b", "c.d"]), limit=2)))
           a.{0..2}  (3 keys)
@@ -749,7 +749,7 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
         [...]}``; mismatched patterns also carry ``"checkpoint"`` and ``"reference"``;
         ``"renames"`` lists the suggested renames (:meth:`SuggestedRename.to_dict`).
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> from dsdmerge.report import summary
         >>> summary(dm.KeyDiff(missing=("a.0", "a.1")))["missing"]

@@ -81,7 +81,7 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
             torch tensor (a DTensor: resize its ``full_tensor()``), or the ranks
             differ.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> dm.resize(torch.ones(2, 2), torch.zeros(3, 2))
         tensor([[1., 1.],

@@ -127,7 +127,7 @@ def detect_format(path: str | os.PathLike[str], /) -> CheckpointFormat:
         CheckpointReadError: ``path`` does not exist, cannot be read, or is none
             of the formats.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dsdmerge.integrations import detect_format
         >>> with tempfile.TemporaryDirectory() as tmp:

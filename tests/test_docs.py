@@ -1,18 +1,23 @@
-"""Every code block of the README runs as shown, so none can rot.
+"""Every code block of the README and of the docs runs as shown, so none can rot.
 
-Each ``python``, ``bash`` and ``console`` block runs unless an HTML comment right above it
-says otherwise, in a fresh namespace and a temporary working directory:
+Each ``python``, ``bash`` and ``console`` block of ``README.md`` and ``docs/**/*.md`` runs
+unless an HTML comment right above it says otherwise, in a fresh namespace and a temporary
+working directory:
 
-* ``<!-- readme-test: setup=NAME (why) -->``: after the setup ``NAME`` below, which makes
+* ``<!-- docs-test: setup=NAME (why) -->``: after the setup ``NAME`` below, which makes
   the objects the block talks about (``model``, ``optimizer``, checkpoint files) and
   nothing else: the block's own imports must be complete.
-* ``<!-- readme-test: continues (why) -->``: in the namespace the block above left.
-* ``<!-- readme-test: transcript setup=NAME (why) -->`` on a ``console`` block: each
+* ``<!-- docs-test: continues (why) -->``: in the namespace the block above left (on the
+  same page).
+* ``<!-- docs-test: transcript setup=NAME (why) -->`` on a ``console`` block: each
   ``$ command`` runs in bash and its output (stdout and stderr, as a terminal shows them)
   must be exactly the lines that follow it.
-* ``<!-- readme-test: fragment (why) -->``: an illustrative listing, only compiled.
-* ``<!-- readme-test: pytest (why) -->``: a test module; its tests run below.
-* ``<!-- readme-test: ci (why) -->``: the quick start; ``.ci/run`` runs its lines verbatim.
+* ``<!-- docs-test: fragment (why) -->``: an illustrative listing, only compiled.
+* ``<!-- docs-test: pytest (why) -->``: a test module; its tests run below.
+* ``<!-- docs-test: ci (why) -->``: the quick start; ``.ci/run`` runs its lines verbatim.
+* ``requires=MODULE[,MODULE...]`` (with any of the above, or alone): the block needs a
+  package that is not a dependency (a trainer, an optional extra); it is skipped, with the
+  reason, where one of those modules cannot be imported. ``.ci/run`` installs them all.
 """
 
 from __future__ import annotations
@@ -35,34 +40,43 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 KINDS = ("setup", "continues", "transcript", "fragment", "pytest", "ci")
+MARKER = "<!-- docs-test:"
 BLOCK = re.compile(
-    r"(?:^<!-- readme-test: (?P<marker>[^\n]*?) -->\n)?^```(?P<lang>[\w-]*)\n(?P<code>.*?)^```$",
+    r"(?:^<!-- docs-test: (?P<marker>[^\n]*?) -->\n)?^```(?P<lang>[\w-]*)\n(?P<code>.*?)^```$",
     re.M | re.S,
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+    page: Path
     line: int
     lang: str
     code: str
     kind: str  # "run" or one of KINDS
     setup: str | None
+    requires: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.lang}"
+        return f"{self.page.relative_to(ROOT)}:{self.line}-{self.lang}"
+
+    def skip_if_unavailable(self) -> None:
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"{self.id} needs {module}, which is not installed")
 
 
-def blocks() -> list[Block]:
-    text = README.read_text(encoding="utf-8")
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text(encoding="utf-8")
     out = []
     for m in BLOCK.finditer(text):
         lang = m["lang"]
         if lang not in ("python", "bash", "console"):
             continue
-        kind, setup = "run", None
+        kind, setup, requires = "run", None, ()
         marker = m["marker"]
         if marker:
             words = marker.split(" (")[0].split()
@@ -70,10 +84,12 @@ def blocks() -> list[Block]:
                 if word.startswith("setup="):
                     setup = word.removeprefix("setup=")
                     kind = "setup" if kind == "run" else kind
+                elif word.startswith("requires="):
+                    requires = tuple(word.removeprefix("requires=").split(","))
                 else:
                     kind = word
         line = text[: m.start("code")].count("\n")
-        out.append(Block(line, lang, m["code"], kind, setup))
+        out.append(Block(page, line, lang, m["code"], kind, setup, requires))
     return out
 
 
@@ -226,7 +242,7 @@ SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
 
 # -- the blocks ------------------------------------------------------------------------
 
-ALL = blocks()
+ALL = [block for page in PAGES for block in blocks(page)]
 
 
 def test_every_block_is_run_or_says_why_not():
@@ -238,11 +254,15 @@ def test_every_block_is_run_or_says_why_not():
         if block.kind == "continues":
             before = ALL[ALL.index(block) - 1]
             assert before.lang == "python", block.id
+            assert before.page == block.page, block.id
         if block.kind == "transcript":
             assert block.lang == "console", block.id
-    text = README.read_text(encoding="utf-8")
-    markers = re.findall(r"<!-- readme-test: ([^\n]*?) -->\n```", text)
-    assert len(markers) == text.count("<!-- readme-test:")  # each marker right above a block
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        markers = re.findall(r"<!-- docs-test: ([^\n]*?) -->\n```", text)
+        # each marker right above a block
+        assert len(markers) == text.count(MARKER), page
+        assert "readme-test:" not in text, page  # the old spelling would be ignored
 
 
 def _chains() -> list[list[Block]]:
@@ -259,6 +279,8 @@ def _chains() -> list[list[Block]]:
 
 @pytest.mark.parametrize("chain", _chains(), ids=lambda chain: chain[0].id)
 def test_python_block_runs(chain, tmp_path, monkeypatch):
+    for block in chain:
+        block.skip_if_unavailable()
     monkeypatch.chdir(tmp_path)
     first = chain[0]
     namespace: dict[str, Any] = {"__name__": "readme_block"}
@@ -277,6 +299,7 @@ def test_fragments_compile(block):
 
 def test_quick_start_is_what_ci_runs():
     [quick] = [b for b in ALL if b.kind == "ci"]
+    assert quick.page == README
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     for line in quick.code.strip().splitlines():
         assert f'"{line}"' in ci, line
@@ -286,6 +309,7 @@ def test_quick_start_is_what_ci_runs():
     "block", [b for b in ALL if b.lang == "bash" and b.kind == "run"], ids=lambda b: b.id
 )
 def test_bash_block_runs(block, tmp_path):
+    block.skip_if_unavailable()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         ["bash", "-e", "-c", block.code],
@@ -320,6 +344,7 @@ def _commands(code: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.kind == "transcript"], ids=lambda b: b.id)
 def test_transcript_is_real_output(block, tmp_path):
+    block.skip_if_unavailable()
     SETUPS[block.setup or ""](tmp_path) if block.setup else None
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     for name in ("NO_COLOR", "FORCE_COLOR", "DSDMERGE_TRACEBACK"):
@@ -344,17 +369,10 @@ def test_transcript_is_real_output(block, tmp_path):
         assert proc.stdout.rstrip("\n") == expected, f"$ {command}\n{proc.stdout}"
 
 
-# -- the fuzz example: a test module of its own ----------------------------------------
+# -- test modules: pytest blocks are imported as the test modules a user would save ------
 
 
-def fuzz_section_code() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = re.search(r"^## Fuzz your resume path\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert section, "README.md lost its 'Fuzz your resume path' section"
-    found = [b for b in ALL if b.kind == "pytest"]
-    assert len(found) == 1, "the section should hold exactly one python example"
-    assert found[0].code in section.group(1)
-    return found[0].code
+PYTEST_BLOCKS = [b for b in ALL if b.kind == "pytest"]
 
 
 def load(code: str, directory: Path, name: str) -> ModuleType:
@@ -373,28 +391,42 @@ def load(code: str, directory: Path, name: str) -> ModuleType:
     return module
 
 
-TEST_NAMES = sorted(set(re.findall(r"^def (test_\w+)", fuzz_section_code(), re.M)))
+TESTS = [
+    (block, name)
+    for block in PYTEST_BLOCKS
+    for name in sorted(set(re.findall(r"^def (test_\w+)", block.code, re.M)))
+]
 
 
-def test_the_example_has_tests():
-    assert len(TEST_NAMES) >= 2
+def test_every_test_module_has_tests():
+    assert PYTEST_BLOCKS
+    for block in PYTEST_BLOCKS:
+        assert any(b is block for b, _ in TESTS), block.id
 
 
-@pytest.mark.parametrize("name", TEST_NAMES)
-def test_readme_fuzz_example_passes(name, tmp_path):
-    module = load(fuzz_section_code(), tmp_path, "test_readme_fuzz_example")
+@pytest.mark.parametrize(("block", "name"), TESTS, ids=lambda x: getattr(x, "id", x))
+def test_docs_test_module_passes(block, name, tmp_path):
+    block.skip_if_unavailable()
+    module = load(block.code, tmp_path, "test_docs_example")
     getattr(module, name)()
 
 
-def test_the_readme_example_can_fail(tmp_path):
+def _fuzz_example() -> Block:
+    found = [b for b in PYTEST_BLOCKS if "def resume_optimizer_state(" in b.code]
+    assert len(found) == 1, "the docs lost the fuzz-your-resume-path example"
+    return found[0]
+
+
+def test_the_fuzz_example_can_fail(tmp_path):
     """It asserts something real: a resume step that drops a trained value fails it."""
-    code = fuzz_section_code().replace(
+    original = _fuzz_example().code
+    code = original.replace(
         'return dsdmerge.merge(loaded, fresh, policy="warn", allow_missing=["*.indexer.*"])',
         "merged = dsdmerge.merge(loaded, fresh)\n"
         "    return {**merged, next(iter(loaded)): None}  # loses one trained value",
     )
-    assert code != fuzz_section_code()
-    module = load(code, tmp_path, "test_readme_fuzz_example_broken")
+    assert code != original
+    module = load(code, tmp_path, "test_docs_fuzz_example_broken")
     with pytest.raises(AssertionError):
         module.test_resume_keeps_every_trained_value_and_one_lr_per_group()
 
