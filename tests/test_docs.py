@@ -294,7 +294,11 @@ def test_python_block_runs(chain, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.kind == "fragment"], ids=lambda b: b.id)
 def test_fragments_compile(block):
-    compile(block.code, block.id, "exec")
+    if block.lang == "python":
+        compile(block.code, block.id, "exec")
+    else:  # a listing of shell commands: bash parses it
+        proc = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_quick_start_is_what_ci_runs():
@@ -433,7 +437,7 @@ def test_the_fuzz_example_can_fail(tmp_path):
 
 def test_a_block_that_misses_an_import_fails(tmp_path, monkeypatch):
     """The setups give objects, never imports: the README's blocks must bring their own."""
-    [chain] = [c for c in _chains() if "loaded = torch.load(path" in c[0].code]
+    chain = next(c for c in _chains() if "loaded = torch.load(path" in c[0].code)
     broken = dataclasses.replace(chain[0], code=chain[0].code.replace("import torch\n", "", 1))
     assert broken.code != chain[0].code
     with pytest.raises(NameError, match="torch"):
