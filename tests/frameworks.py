@@ -136,7 +136,9 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def torch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int, n: int) -> None:
+def torch_steps(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int, n: int
+) -> None:
     """``n`` training steps from global step ``start``, plain torch."""
     for step in range(start, start + n):
         model(batch(step)).backward()
@@ -231,16 +233,14 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     )
 
 
-def oracle(
-    scenario: str, old: tuple[dict, dict], *, prefix: str = ""
-) -> list[tuple[dict, dict]]:
+def oracle(scenario: str, old: tuple[dict, dict], *, prefix: str = "") -> list[tuple[dict, dict]]:
     """What the new model holds 2 and 4 steps after the resume at step 2, pure torch.
 
     ``old``: the old run's (model state, named optimizer state) at step 2. Uninterrupted
     scenarios: the new model trained from step 0; the others: the by-name transfer of
     ``old``. ``prefix``: the trainer's prefix on model keys (Lightning's module attribute).
     """
-    old_opts, new_opts, _ = SCENARIOS[scenario]
+    _, new_opts, _ = SCENARIOS[scenario]
     model = Net(**new_opts)
     optimizer = adamw(model)
     if scenario in UNINTERRUPTED:
@@ -248,7 +248,12 @@ def oracle(
     else:
         strip = {k[len(prefix) :]: v for k, v in old[0].items()}
         o = old[1]
-        o = {**o, "param_groups": [{**g, NAMES: [n[len(prefix) :] for n in g[NAMES]]} for g in o["param_groups"]]}
+        o = {
+            **o,
+            "param_groups": [
+                {**g, NAMES: [n[len(prefix) :] for n in g[NAMES]]} for g in o["param_groups"]
+            ],
+        }
         transfer(strip, o, model, optimizer)
     out = []
     for start in (2, 4):

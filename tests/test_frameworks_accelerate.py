@@ -38,7 +38,6 @@ from dsdmerge.integrations import (  # noqa: E402
     record_param_names,
 )
 
-
 MODEL = {"policy", "allow_missing", "allow_unexpected", "rename", "on_shape_mismatch"}
 
 
@@ -91,7 +90,8 @@ def test_load_state_through_the_hooks(scenario, olds, tmp_path):
         accelerator, model, optimizer, (o_hook, m_hook) = prepared(model, recipe=options)
         assert o_hook.diff is None  # prepare()'s reload of the empty state passed through
         accelerator.load_state(str(source))
-        assert o_hook.loads == 1 and m_hook.loads == 1
+        assert o_hook.loads == 1
+        assert m_hook.loads == 1
         start = 2 if source == path else 4
         steps(accelerator, model, optimizer, start, 2)
         assert_same_model(model.state_dict(), want_model)
@@ -127,7 +127,8 @@ def test_load_state_alone(scenario, olds):
     got = named_state(model, optimizer.optimizer)
     # a's moments now sit on b (or b's on a), since the two have the same shape
     old_a = next(
-        s for pid, s in old_optim["state"].items()
+        s
+        for pid, s in old_optim["state"].items()
         if old_optim["param_groups"][0]["param_names"][pid] == "b.weight"
     )
     names = got["param_groups"][0]["param_names"]

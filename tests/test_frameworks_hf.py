@@ -130,7 +130,9 @@ class AtStart(transformers.TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
         self.model = {k: v.clone() for k, v in model.state_dict().items()}
         fqn = {id(p): n for n, p in model.named_parameters()}
-        self.state = {fqn[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+        self.state = {
+            fqn[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()
+        }
 
 
 def run(out, model, *, max_steps=STEPS, resume=None, recipe=None, alone=False, probe=None):
@@ -214,9 +216,7 @@ def transferred(old_ckpt: Path, new_model: nn.Module, dest: Path, rename=lambda 
         for pid, name, p in zip(ids, names, group["params"], strict=True):
             old_name = next((o for o in old_state if rename(o) == name), None)
             if old_name is not None:
-                state[pid] = {
-                    k: grown(v, p, moment=True) for k, v in old_state[old_name].items()
-                }
+                state[pid] = {k: grown(v, p, moment=True) for k, v in old_state[old_name].items()}
         hyper = {k: v for k, v in old_group.items() if k not in ("params", "param_names")}
         groups.append({**hyper, "params": ids, "param_names": names})
     assert len(groups) == len(live["param_groups"])
@@ -249,7 +249,9 @@ def runs(tmp_path_factory):
 def resume_twice(root, name, make, old_ckpt, recipe, again=None):
     """The recipe's resume to step 4, then its own save resumed again to step 6
     (with ``again``'s options if given: a rename is done once)."""
-    first, (opt_hook, model_hook) = run(root / name, make(), max_steps=4, resume=old_ckpt, recipe=recipe)
+    _, (opt_hook, model_hook) = run(
+        root / name, make(), max_steps=4, resume=old_ckpt, recipe=recipe
+    )
     diffs = (opt_hook.diff, model_hook.diff)
     again, (opt_hook2, _) = run(
         root / f"{name}_again",
@@ -259,7 +261,9 @@ def resume_twice(root, name, make, old_ckpt, recipe, again=None):
     )
     # its own save carries names and every parameter: only state never created is missing
     again_diff = opt_hook2.diff
-    assert again_diff is not None and not again_diff.unexpected and not again_diff.mismatched
+    assert again_diff is not None
+    assert not again_diff.unexpected
+    assert not again_diff.mismatched
     assert all(k.startswith("state.") for k in again_diff.missing)
     return diffs, root / name / "checkpoint-4", root / f"{name}_again" / f"checkpoint-{STEPS}"
 
@@ -293,16 +297,26 @@ def test_new_head_that_never_gets_a_gradient(runs):
 def test_unfreeze_a_layer(runs):
     make = lambda: llama(frozen="")  # noqa: E731
     recipe = {"policy": "strict", "allow_missing": "*layers.0.self_attn.k_proj.*"}
-    (o_diff, m_diff), at4, at6 = resume_twice(runs, "unfreeze", make, runs / "old/checkpoint-2", recipe)
-    assert m_diff.missing == () and m_diff.unexpected == ()
+    (o_diff, m_diff), at4, at6 = resume_twice(
+        runs, "unfreeze", make, runs / "old/checkpoint-2", recipe
+    )
+    assert m_diff.missing == ()
+    assert m_diff.unexpected == ()
     assert {k for k in o_diff.missing if k.startswith("state.")} == {
-        f"state.model.layers.0.self_attn.k_proj.weight.{s}" for s in ("step", "exp_avg", "exp_avg_sq")
+        f"state.model.layers.0.self_attn.k_proj.weight.{s}"
+        for s in ("step", "exp_avg", "exp_avg_sq")
     }
     want4, want6 = by_transfer(runs, "unfreeze", make, runs / "old/checkpoint-2")
     assert_same_checkpoint(at4, want4)
     assert_same_checkpoint(at6, want6)
     with pytest.raises(ValueError, match="doesn't match the size"):
-        run(runs / "unfreeze_alone", make(), max_steps=4, resume=runs / "old/checkpoint-2", alone=True)
+        run(
+            runs / "unfreeze_alone",
+            make(),
+            max_steps=4,
+            resume=runs / "old/checkpoint-2",
+            alone=True,
+        )
 
 
 def test_change_which_layer_is_frozen_maps_by_name_where_trainer_misassigns(runs):
@@ -315,7 +329,8 @@ def test_change_which_layer_is_frozen_maps_by_name_where_trainer_misassigns(runs
     }
     (o_diff, _), at4, at6 = resume_twice(runs, "swap", make, old_ckpt, recipe)
     assert all("k_proj" in k for k in o_diff.missing)
-    assert o_diff.unexpected and all("q_proj" in k for k in o_diff.unexpected)
+    assert o_diff.unexpected
+    assert all("q_proj" in k for k in o_diff.unexpected)
     want4, want6 = by_transfer(runs, "swap", make, old_ckpt)
     assert_same_checkpoint(at4, want4)
     assert_same_checkpoint(at6, want6)
@@ -341,7 +356,9 @@ def test_change_which_layer_is_frozen_maps_by_name_where_trainer_misassigns(runs
 def test_grow_the_vocabulary(runs):
     make = lambda: llama(vocab=VOCAB + 8)  # noqa: E731
     recipe = {"on_shape_mismatch": "resize"}  # the default policy: resized without a warning
-    (o_diff, m_diff), at4, at6 = resume_twice(runs, "vocab", make, runs / "old/checkpoint-2", recipe)
+    (o_diff, m_diff), at4, at6 = resume_twice(
+        runs, "vocab", make, runs / "old/checkpoint-2", recipe
+    )
     assert {r.key for r in m_diff.resized} == {"model.embed_tokens.weight", "lm_head.weight"}
     assert {r.key.split(".")[-1] for r in o_diff.resized} == {"exp_avg", "exp_avg_sq"}
     want4, want6 = by_transfer(runs, "vocab", make, runs / "old/checkpoint-2")
@@ -359,7 +376,8 @@ def test_rename_a_module(runs):
     (o_diff, m_diff), at4, at6 = resume_twice(
         runs, "rename", make, old_ckpt, recipe, again={"policy": "strict"}
     )
-    assert not m_diff and not o_diff
+    assert not m_diff
+    assert not o_diff
 
     def renamed(ckpt):
         w = {k.replace("lm.", "backbone.", 1): v for k, v in weights(ckpt).items()}

@@ -116,7 +116,8 @@ def test_fit_resumes_through_the_callback(scenario, olds, tmp_path):
         callback = ResumeCallback(**options)
         trainer = fit(Module(**new_opts), step, ckpt=source, callbacks=[callback])
         assert trainer.global_step == step
-        assert callback.model_diff is not None and len(callback.optimizer_diffs) == 1
+        assert callback.model_diff is not None
+        assert len(callback.optimizer_diffs) == 1
         got_model, got_optim = named(trainer)
         assert_same_model(got_model, want_model)
         assert_same_optimizer(got_optim, want_optim)
@@ -181,11 +182,22 @@ def test_the_command_line_reads_ckpt_parts(olds, tmp_path):
     optim = dsdmerge_cli("diff", old, new, "--key", "optimizer_states.0", "--json")
     assert optim.returncode == 1, optim.stderr
     report = json.loads(optim.stdout)
-    assert report["unexpected"] == [] and report["missing"]
-    assert all(k.startswith("state.5.") or k.startswith("param_groups.") for k in report["missing"]), report
+    assert report["unexpected"] == []
+    assert report["missing"]
+    assert all(
+        k.startswith("state.5.") or k.startswith("param_groups.") for k in report["missing"]
+    ), report
 
     check = dsdmerge_cli(
-        "check", old, new, "--key", "state_dict", "--policy", "strict", "--allow-missing", "net.value.*"
+        "check",
+        old,
+        new,
+        "--key",
+        "state_dict",
+        "--policy",
+        "strict",
+        "--allow-missing",
+        "net.value.*",
     )
     assert check.returncode == 0, check.stdout + check.stderr
     inspect = dsdmerge_cli("inspect", old, "--key", "optimizer_states.0")

@@ -33,6 +33,15 @@ if TYPE_CHECKING:
         read_metadata,
     )
 
+    # Trainers' own save and load calls
+    from dsdmerge.integrations.hooks import (
+        LoadHook,
+        ModelLoadHook,
+        install_load_hook,
+        install_model_load_hook,
+        record_param_names,
+    )
+
     # Resuming
     from dsdmerge.integrations.resume import (
         DCPLoad,
@@ -41,15 +50,6 @@ if TYPE_CHECKING:
         load_dcp,
         resume_model,
         resume_optimizer,
-    )
-
-    # Trainers' own save and load calls
-    from dsdmerge.integrations.hooks import (
-        LoadHook,
-        ModelLoadHook,
-        install_load_hook,
-        install_model_load_hook,
-        record_param_names,
     )
 
 __all__ = [

@@ -259,7 +259,7 @@ class _Options:
 
 
 class LoadHook:
-    """An ``Optimizer.load_state_dict`` pre-hook that merges what is loaded; see :func:`install_load_hook`.
+    """The ``Optimizer.load_state_dict`` pre-hook :func:`install_load_hook` registers.
 
     Attributes:
         optimizer: The torch optimizer it is registered on.
@@ -301,6 +301,7 @@ class LoadHook:
     def __call__(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any] | None:
+        """Merge ``state_dict`` (torch's copy of what the trainer passed); ``None``: as is."""
         require_mapping(state_dict, "the state dict passed to load_state_dict")
         _refuse_zero(state_dict)
         fqn_of = param_fqns(self.model)
@@ -336,9 +337,7 @@ class LoadHook:
         # Optimizer-level entries (MADGRAD's state['k']) are not mappings and are kept.
         live_ids = {pid for g in loadable[PARAM_GROUPS] for pid in g[PARAMS]}
         loadable[STATE] = {
-            k: v
-            for k, v in loadable[STATE].items()
-            if k in live_ids or not isinstance(v, Mapping)
+            k: v for k, v in loadable[STATE].items() if k in live_ids or not isinstance(v, Mapping)
         }
         # param_names the live optimizer does not hold stay out (torch would store them)
         for group, live in zip(loadable[PARAM_GROUPS], optimizer.param_groups, strict=True):
@@ -470,7 +469,9 @@ def _groups(sd: Mapping[Any, Any]) -> list[Mapping[Any, Any]]:
 
 
 def _int_keyed(sd: Mapping[Any, Any]) -> bool:
-    ids = [pid for g in _groups(sd) if isinstance(g.get(PARAMS), (list, tuple)) for pid in g[PARAMS]]
+    ids = [
+        pid for g in _groups(sd) if isinstance(g.get(PARAMS), (list, tuple)) for pid in g[PARAMS]
+    ]
     return bool(ids) and all(type(pid) is int for pid in ids)
 
 
@@ -497,7 +498,11 @@ def _own_empty(optimizer: torch.optim.Optimizer, sd: Mapping[Any, Any]) -> bool:
         n = len(live[PARAMS])
         if list(group[PARAMS]) != list(range(at, at + n)):
             return False
-        if _PARAM_NAMES in group and _PARAM_NAMES in live and group[_PARAM_NAMES] != live[_PARAM_NAMES]:
+        if (
+            _PARAM_NAMES in group
+            and _PARAM_NAMES in live
+            and group[_PARAM_NAMES] != live[_PARAM_NAMES]
+        ):
             return False
         at += n
     return True
@@ -540,9 +545,7 @@ def _refuse_zero(sd: Mapping[Any, Any]) -> None:
 
 def _flat_groups(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every param group holds one 1-D tensor (flat partitions, as ZeRO makes them)."""
-    return all(
-        len(g[PARAMS]) == 1 and g[PARAMS][0].dim() == 1 for g in optimizer.param_groups
-    )
+    return all(len(g[PARAMS]) == 1 and g[PARAMS][0].dim() == 1 for g in optimizer.param_groups)
 
 
 # --------------------------------------------------------------------------------------
@@ -550,7 +553,7 @@ def _flat_groups(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class ModelLoadHook:
-    """A ``Module.load_state_dict`` pre-hook that merges what is loaded; see :func:`install_model_load_hook`.
+    """The ``Module.load_state_dict`` pre-hook :func:`install_model_load_hook` registers.
 
     Attributes:
         model: The module it is registered on.
@@ -596,6 +599,7 @@ class ModelLoadHook:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        """Merge this module's keys of ``state_dict`` (torch's copy) in place."""
         # torch hands the hook its own copy of the dict the caller passed, and loads
         # whatever the hook leaves in it: the merged entries replace this module's keys
         mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -625,7 +629,8 @@ def _register_module_pre_hook(model: torch.nn.Module, hook: Callable[..., None])
     register = getattr(model, "register_load_state_dict_pre_hook", None)
     if register is not None:  # public since torch 2.5
         return register(hook)  # type: ignore[no-any-return]
-    return model._register_load_state_dict_pre_hook(hook, with_module=True)
+    # torch 2.4 has only the private spelling of the same registration
+    return model._register_load_state_dict_pre_hook(hook, with_module=True)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def install_model_load_hook(

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from dsdmerge.rename import Rules
     from dsdmerge.resize import OnShapeMismatch
 
-__all__ = ["ResumeCallback"]
+__all__ = ["ResumeCallback"]  # noqa: F822 (built on first access, see __getattr__)
 
 
 def _callback_base() -> type[Any]:
