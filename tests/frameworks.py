@@ -137,11 +137,24 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def torch_steps(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int, n: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    n: int,
+    *,
+    zero_grads: bool = False,
 ) -> None:
-    """``n`` training steps from global step ``start``, plain torch."""
+    """``n`` training steps from global step ``start``, plain torch.
+
+    ``zero_grads``: a trainable parameter without a gradient gets a zero one (DeepSpeed's
+    gradient all-reduce does that), so the optimizer steps it too.
+    """
     for step in range(start, start + n):
         model(batch(step)).backward()
+        if zero_grads:
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -233,17 +246,21 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     )
 
 
-def oracle(scenario: str, old: tuple[dict, dict], *, prefix: str = "") -> list[tuple[dict, dict]]:
+def oracle(
+    scenario: str, old: tuple[dict, dict], *, prefix: str = "", zero_grads: bool = False
+) -> list[tuple[dict, dict]]:
     """What the new model holds 2 and 4 steps after the resume at step 2, pure torch.
 
     ``old``: the old run's (model state, named optimizer state) at step 2. Uninterrupted
     scenarios: the new model trained from step 0; the others: the by-name transfer of
     ``old``. ``prefix``: the trainer's prefix on model keys (Lightning's module attribute).
+    ``zero_grads``: see :func:`torch_steps` (then a new head trains too: no uninterrupted
+    run is the same, the by-name transfer is the reference).
     """
     _, new_opts, _ = SCENARIOS[scenario]
     model = Net(**new_opts)
     optimizer = adamw(model)
-    if scenario in UNINTERRUPTED:
+    if scenario in UNINTERRUPTED and not (zero_grads and scenario == "new_head"):
         torch_steps(model, optimizer, 0, 2)
     else:
         strip = {k[len(prefix) :]: v for k, v in old[0].items()}
@@ -257,7 +274,7 @@ def oracle(scenario: str, old: tuple[dict, dict], *, prefix: str = "") -> list[t
         transfer(strip, o, model, optimizer)
     out = []
     for start in (2, 4):
-        torch_steps(model, optimizer, start, 2)
+        torch_steps(model, optimizer, start, 2, zero_grads=zero_grads)
         m, o = snapshot(model, optimizer)
         m = {prefix + k: v for k, v in m.items()}
         for g in o["param_groups"]:
