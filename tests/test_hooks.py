@@ -118,7 +118,7 @@ def test_without_names_a_load_is_refused_and_changes_nothing():
     torch_steps(model, optimizer, 0, 1)
     snap = Snapshot({"state": optimizer.state, "groups": optimizer.param_groups})
     install_load_hook(optimizer, model)
-    with pytest.raises(dm.LayoutError, match="names=.*by_position=True"):
+    with pytest.raises(dm.LayoutError, match=r"names=.*by_position=True"):
         optimizer.load_state_dict(saved)
     assert snap.unchanged()
 
