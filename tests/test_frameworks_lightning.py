@@ -12,8 +12,6 @@ compared bit for bit with a pure-torch oracle. The framework alone is run too.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -32,6 +30,7 @@ from frameworks import (  # noqa: E402
     oracle,
 )
 
+from dsdmerge import cli  # noqa: E402
 from dsdmerge.integrations.lightning import ResumeCallback  # noqa: E402
 
 PREFIX = "net."
@@ -158,48 +157,39 @@ def test_fit_alone(scenario, olds):
     assert equal(probe.state[probe.names.index("net.a.weight")], old_b)  # b's moments on a
 
 
-def dsdmerge_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "dsdmerge", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def dsdmerge_cli(capsys, *args):
+    """The command line, in this process (its parser imports nothing heavy)."""
+    capsys.readouterr()
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_the_command_line_reads_ckpt_parts(olds, tmp_path):
+def test_the_command_line_reads_ckpt_parts(olds, tmp_path, capsys):
     """``--key state_dict`` and ``--key optimizer_states.0`` pick a ``.ckpt``'s parts."""
     old, _ = olds["new_head"]
     trainer = fit(Module(head=True), 2, callbacks=[ResumeCallback()])
     new = tmp_path / "new.ckpt"
     trainer.save_checkpoint(new)
 
-    model = dsdmerge_cli("diff", old, new, "--key", "state_dict")
-    assert model.returncode == 1, model.stderr
-    assert "net.value.{bias,weight}" in model.stdout
+    code, out, err = dsdmerge_cli(capsys, "diff", old, new, "--key", "state_dict")
+    assert code == 1, err
+    assert "net.value.{bias,weight}" in out
 
-    optim = dsdmerge_cli("diff", old, new, "--key", "optimizer_states.0", "--json")
-    assert optim.returncode == 1, optim.stderr
-    report = json.loads(optim.stdout)
+    code, out, err = dsdmerge_cli(capsys, "diff", old, new, "--key", "optimizer_states.0", "--json")
+    assert code == 1, err
+    report = json.loads(out)
     assert report["unexpected"] == []
     assert report["missing"]
     assert all(
         k.startswith("state.5.") or k.startswith("param_groups.") for k in report["missing"]
     ), report
 
-    check = dsdmerge_cli(
-        "check",
-        old,
-        new,
-        "--key",
-        "state_dict",
-        "--policy",
-        "strict",
-        "--allow-missing",
-        "net.value.*",
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    inspect = dsdmerge_cli("inspect", old, "--key", "optimizer_states.0")
-    assert inspect.returncode == 0, inspect.stderr
-    assert "state" in inspect.stdout
+    code, out, err = dsdmerge_cli(
+        capsys, "check", old, new, "--key", "state_dict", "--policy", "strict",
+        "--allow-missing", "net.value.*",
+    )  # fmt: skip
+    assert code == 0, out + err
+    code, out, err = dsdmerge_cli(capsys, "inspect", old, "--key", "optimizer_states.0")
+    assert code == 0, err
+    assert "state" in out

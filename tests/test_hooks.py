@@ -216,3 +216,16 @@ def test_model_hook_on_a_submodule_loaded_through_its_parent():
     hook.remove()
     with pytest.raises(RuntimeError, match="Missing key"):
         parent.load_state_dict({f"net.{k}": v for k, v in old.state_dict().items()})
+
+
+def test_an_optimizers_own_top_level_keys_survive_the_rekey():
+    """heavyball keeps its own key next to state and param_groups, and reads it on load."""
+    _, old_optimizer = trained()
+    saved = {**copy.deepcopy(old_optimizer.state_dict()), "mine": {"k": 3}}
+    model = Net()
+    optimizer = adamw(model)
+    install_load_hook(optimizer, model, policy="strict")
+    got = []  # what torch loads: a pre-hook registered after dsdmerge's sees its result
+    optimizer.register_load_state_dict_pre_hook(lambda o, sd: got.append(dict(sd)))
+    optimizer.load_state_dict(saved)
+    assert got[0]["mine"] == {"k": 3}

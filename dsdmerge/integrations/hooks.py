@@ -40,7 +40,7 @@ from dsdmerge.integrations._optim import param_fqns
 from dsdmerge.integrations.resume import _plan
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, require_mapping
 from dsdmerge.merge import Fresh
-from dsdmerge.policy import Policy, PolicyName, resolve_policy
+from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName, resolve_policy
 from dsdmerge.rekey import rekey
 from dsdmerge.resize import OnShapeMismatch
 
@@ -443,8 +443,6 @@ def install_load_hook(
             "model passed in; pass the model the optimizer optimizes"
         )
     if fresh not in ("as_fresh", "reference"):
-        from dsdmerge.policy import InvalidPolicyError
-
         raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
     listed = None if names is None else tuple(_plain_names(names))
     options = _Options(pol, rename, on_shape_mismatch, fresh, listed, bool(by_position))
@@ -496,7 +494,8 @@ def _own_empty(optimizer: torch.optim.Optimizer, sd: Mapping[Any, Any]) -> bool:
     at = 0
     for group, live in zip(groups, optimizer.param_groups, strict=True):
         n = len(live[PARAMS])
-        if list(group[PARAMS]) != list(range(at, at + n)):
+        ids = group.get(PARAMS)
+        if not isinstance(ids, (list, tuple)) or list(ids) != list(range(at, at + n)):
             return False
         if (
             _PARAM_NAMES in group
@@ -514,10 +513,13 @@ def _by_name(
     """``sd`` keyed by fqns where it is int-keyed and names are known; refused without."""
     if not _int_keyed(sd):
         return sd  # fqn-keyed (DSD) or flattened: already by name
+    # rekey returns state and param_groups: the optimizer's own top-level keys (heavyball's)
+    # are carried over as torch would hand them to the optimizer
+    extras = {k: v for k, v in sd.items() if k not in (STATE, PARAM_GROUPS)}
     if _has_names(sd):
-        return rekey(sd)
+        return {**extras, **rekey(sd)}
     if opts.names is not None:
-        return rekey(sd, opts.names)
+        return {**extras, **rekey(sd, opts.names)}
     state = sd.get(STATE)
     if opts.by_position or not state:
         return sd
