@@ -62,12 +62,13 @@ def steps(eng, start, n):
 
 def main(out: Path) -> None:
     import deepspeed
-    import deepspeed.comm.torch as ds_torch
+    import deepspeed.comm.torch
 
     import dsdmerge as dm
 
-    # the shared-memory all-reduce op is compiled on first use; one rank never needs it
-    ds_torch.build_shm_op = lambda: None
+    # the shared-memory all-reduce op is compiled (a C++ build) on first use; one rank never
+    # needs it. (The module, not deepspeed.comm's attribute "torch", which is torch itself.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     outcomes = {}
     for name, (old_opts, new_opts, recipe) in SCENARIOS.items():
