@@ -1662,7 +1662,17 @@ example:
 """,
 }
 
-_PRESET_NAMES = ("ddp", "compile", "checkpoint_wrapper", "fsdp1", "peft", "lora")
+_PRESET_NAMES = (
+    "ddp",
+    "compile",
+    "checkpoint_wrapper",
+    "fsdp1",
+    "peft",
+    "lora",
+    "to_peft",
+    "lora_adapter_name",
+    "to_lora_adapter_name",
+)
 """``--preset`` choices: the names of ``dsdmerge.RENAME_PRESETS``, spelled here so that
 building the parser imports nothing heavy (a test keeps the two equal)."""
 

@@ -68,6 +68,8 @@ those (applied in order)."""
 PARAM_NAMES = "param_names"
 
 # (?<![^.]) : at the start of the fqn or right after a dot (the start of a segment)
+# PEFT's adapter segments: lora_A.default.weight in a model, lora_A.weight in its saved adapter
+_LORA = r"(?<![^.])(lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?![^.])"
 RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {
         "ddp": MappingProxyType({r"^module\.": ""}),
@@ -76,9 +78,13 @@ RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
         "fsdp1": MappingProxyType({r"(?<![^.])_fsdp_wrapped_module\.": ""}),
         "peft": MappingProxyType({r"^base_model\.model\.": ""}),
         "lora": MappingProxyType({r"(?<![^.])base_layer\.": ""}),
+        # the other direction, and PEFT's adapter name (which its saved adapter files drop)
+        "to_peft": MappingProxyType({r"^(?!base_model\.model\.)": "base_model.model."}),
+        "lora_adapter_name": MappingProxyType({_LORA + r"\.default(?![^.])": r"\1"}),
+        "to_lora_adapter_name": MappingProxyType({_LORA + r"(?!\.default(?![^.]))": r"\1.default"}),
     }
 )
-"""Rules that strip the fqn segments wrappers add, by name, for ``rename=``.
+"""Rules for the fqn segments wrappers add, by name, for ``rename=``.
 
 * ``"ddp"``: ``DistributedDataParallel``'s (and ``DataParallel``'s) leading ``module.``;
 * ``"compile"``: ``torch.compile``'s ``_orig_mod.`` (leading, or inside for a compiled
@@ -86,7 +92,16 @@ RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
 * ``"checkpoint_wrapper"``: activation checkpointing's ``_checkpoint_wrapped_module.``;
 * ``"fsdp1"``: FSDP1's ``_fsdp_wrapped_module.``;
 * ``"peft"``: PEFT's leading ``base_model.model.``;
-* ``"lora"``: PEFT LoRA's ``base_layer.`` (``q_proj.base_layer.weight`` -> ``q_proj.weight``).
+* ``"lora"``: PEFT LoRA's ``base_layer.`` (``q_proj.base_layer.weight`` -> ``q_proj.weight``);
+* ``"to_peft"``: adds PEFT's leading ``base_model.model.`` (a plain checkpoint resumed into
+  a PEFT model). Where LoRA wraps a module its weights move under ``base_layer.`` too, a
+  rule that names the wrapped modules; :func:`dsdmerge.diff` suggests it for the modules
+  it sees wrapped (``v_proj.weight`` -> ``v_proj.base_layer.weight``);
+* ``"lora_adapter_name"``: drops the adapter name PEFT puts after ``lora_A``, ``lora_B``,
+  ``lora_embedding_A/B`` and ``lora_magnitude_vector`` (``lora_A.default.weight`` ->
+  ``lora_A.weight``, as ``save_pretrained`` writes adapters);
+* ``"to_lora_adapter_name"``: puts it back (``lora_A.weight`` -> ``lora_A.default.weight``:
+  a saved adapter into the model).
 
 To add a prefix instead (a bare checkpoint resumed into a wrapped model), use a rule
 such as ``{r"^": "module."}``.
@@ -930,8 +945,11 @@ _WRAPPERS = {  # one dropped segment -> the preset that drops it
     "_checkpoint_wrapped_module": "checkpoint_wrapper",
     "_fsdp_wrapped_module": "fsdp1",
     "base_layer": "lora",
+    "default": "lora_adapter_name",
 }
 _LEADING = {"module": "ddp", "base_model.model": "peft"}
+_ADDED = {"base_model.model": "to_peft"}  # a leading run of segments added -> its preset
+_INSERTED = {"default": "to_lora_adapter_name"}  # one segment inserted -> its preset
 
 
 class _Side:
@@ -1031,6 +1049,7 @@ def _votes(
     """Candidate changes, with how many sampled unexpected fqns each would explain."""
     by_hole: dict[tuple[int, int, str, str], list[str]] = {}
     by_suffix: dict[str, list[str]] = {}
+    by_inserted: dict[str, list[tuple[str, str]]] = {}  # fqn without one inner segment
     for m in targets[:_INDEXED]:
         segs = m.split(".", _SEGMENTS)
         if len(segs) > _SEGMENTS:
@@ -1039,6 +1058,10 @@ def _votes(
             by_hole.setdefault(
                 (len(segs), i, ".".join(segs[:i]), ".".join(segs[i + 1 :])), []
             ).append(segs[i])
+        for i in range(1, len(segs) - 1):
+            by_inserted.setdefault(".".join(segs[:i] + segs[i + 1 :]), []).append(
+                (segs[i], segs[i - 1])
+            )
         for i in range(1, len(segs)):
             by_suffix.setdefault(".".join(segs[i:]), []).append(".".join(segs[:i]))
     step = max(1, len(sources) // _SAMPLE)
@@ -1060,6 +1083,8 @@ def _votes(
                     votes["drop", ".".join(segs[a:b])] += 1
         for prefix in by_suffix.get(u, ())[:4]:
             votes["add", prefix] += 1
+        for segment, after in by_inserted.get(u, ())[:4]:
+            votes["insert", segment, after] += 1
     return votes
 
 
@@ -1106,7 +1131,18 @@ def _rules_for(candidate: tuple[str, ...]) -> list[Rule]:
             return [_preset_rule(preset)]
         run = re.escape(candidate[1])
         return [Rule(re.compile(rf"\.{run}\."), "."), Rule(re.compile(rf"(?<![^.]){run}\."), "")]
-    return [Rule(re.compile("^"), _template(candidate[1]) + ".")]  # "add"
+    if kind == "insert":  # one segment more, after the segment ``after``
+        preset = _INSERTED.get(candidate[1])
+        if preset is not None:
+            return [_preset_rule(preset)]
+        after, new = re.escape(candidate[2]), _template(candidate[1])
+        return [
+            Rule(re.compile(rf"(?<![^.])({after})\.(?!{re.escape(candidate[1])}\.)"), rf"\1.{new}.")
+        ]
+    preset = _ADDED.get(candidate[1])  # "add"
+    if preset is not None:
+        return [_preset_rule(preset)]
+    return [Rule(re.compile("^"), _template(candidate[1]) + ".")]
 
 
 def _template(text: str) -> str:

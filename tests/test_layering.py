@@ -59,6 +59,8 @@ LAYERS = [
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
     "dsdmerge.integrations.resume",
+    "dsdmerge.integrations.hooks",
+    "dsdmerge.integrations.lightning",
     "dsdmerge.integrations",
     # the package, the demo, the command line
     "dsdmerge",
