@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -109,42 +110,119 @@ def _run(
         with torch.no_grad():
             out = fn(tensors)
     except (RuntimeError, IndexError, TypeError, ValueError) as err:
-        shown = ", ".join(f"{k} {_describe(v)}" for k, v in zip(keys, values, strict=True))
-        raise ctx.error(f"cannot {what} {shown}: {err}", keys) from None
+        raise ctx.error(f"cannot {what} {_shown(keys, values)}: {err}", keys) from None
     if metas:
         return _records_of(out, metas[0].dtype)
     return out
 
 
+def _shown(keys: Sequence[str], values: Sequence[Any], limit: int = 4) -> str:
+    """The first few ``key dtype[shape]``, for messages (a stack may have hundreds of parts)."""
+    text = ", ".join(
+        f"{k} {_describe(v)}" for k, v in zip(keys[:limit], values[:limit], strict=True)
+    )
+    return text + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
 def _alike(values: Sequence[Any], ctx: Context, keys: Sequence[str], what: str) -> None:
     """One dtype and one device for the values a fuse or stack combines."""
-    for v, key in zip(values, keys, strict=True):
-        if not is_tensor(v):
-            raise ctx.error(
-                f"{key} is {short_repr(v)}, not a tensor; only tensors can be {what}", keys
-            )
-    dtypes = {str(v.dtype) for v in values}
-    devices = {str(v.device) for v in values if isinstance(v, torch.Tensor)}
+    if not set(map(type, values)) <= _TENSOR_TYPES:
+        for v, key in zip(values, keys, strict=True):
+            if not is_tensor(v):
+                raise ctx.error(
+                    f"{key} is {short_repr(v)}, not a tensor; only tensors can be {what}", keys
+                )
+    dtypes = set(map(str, set(map(_dtype, values))))
+    devices = set(map(str, {v.device for v in values if isinstance(v, torch.Tensor)}))
     if len(dtypes) > 1 or len(devices) > 1:
+        odd = [
+            i
+            for i, v in enumerate(values)
+            if str(v.dtype) != str(values[0].dtype)
+            or (
+                isinstance(v, torch.Tensor)
+                and str(v.device) != str(getattr(values[0], "device", ""))
+            )
+        ]
+        picked = [0, *odd[:3]]
         shown = ", ".join(
-            f"{k} {_describe(v)}"
-            + (f" on {v.device}" if isinstance(v, torch.Tensor) and len(devices) > 1 else "")
-            for k, v in zip(keys, values, strict=True)
+            f"{keys[i]} {_describe(values[i])}"
+            + (f" on {values[i].device}" if len(devices) > 1 else "")
+            for i in picked
         )
         raise ctx.error(
             f"the parts have different dtypes or devices ({shown}); cast them to one first "
             "(torch.cat would promote the dtype silently)",
-            keys,
+            [keys[i] for i in picked],
         )
+
+
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, TensorMeta})
+_dtype = attrgetter("dtype")
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _combined_shape(
+    kind: str,
+    dim: int,
+    shapes: list[tuple[int, ...]],
+    ctx: Context,
+    keys: Sequence[str],
+    values: Sequence[Any],
+) -> tuple[int, ...]:
+    """The shape ``torch.cat`` / ``torch.stack`` would give, for metadata.
+
+    Computed here rather than by torch: its meta kernels for ``cat`` and ``stack`` run in
+    Python, several checks per part, and a stack of 256 experts pays for each.
+    """
+    first = shapes[0]
+    ndim = len(first) + (kind == "stack")
+    if kind == "fuse" and not first:
+        raise ctx.error(f"cannot concatenate 0-d tensors ({_shown(keys, values)})", keys)
+    if not -ndim <= dim < ndim:
+        raise ctx.error(
+            f"cannot {'concatenate' if kind == 'fuse' else 'stack'} along {dim}: "
+            f"{_shown(keys, values)} have no such dimension",
+            keys,
+        )
+    d = dim % ndim
+    if kind == "stack":
+        if any(s != first for s in shapes):
+            bad = next(i for i, s in enumerate(shapes) if s != first)
+            raise ctx.error(
+                f"cannot stack along {dim}: the parts have different shapes "
+                f"({_shown([keys[0], keys[bad]], [values[0], values[bad]])})",
+                [keys[0], keys[bad]],
+            )
+        return (*first[:d], len(shapes), *first[d:])
+    rest = first[:d] + first[d + 1 :]
+    for i, s in enumerate(shapes):
+        if len(s) != len(first) or s[:d] + s[d + 1 :] != rest:
+            raise ctx.error(
+                f"cannot concatenate along {dim}: the parts differ in another dimension "
+                f"({_shown([keys[0], keys[i]], [values[0], values[i]])})",
+                [keys[0], keys[i]],
+            )
+    return (*first[:d], sum(s[d] for s in shapes), *first[d + 1 :])
+
+
 def combine(kind: str, dim: int, values: Sequence[Any], ctx: Context, keys: Sequence[str]) -> Any:
     """``torch.cat`` (``kind="fuse"``) or ``torch.stack`` of ``values`` along ``dim``."""
     _alike(values, ctx, keys, "fused" if kind == "fuse" else "stacked")
+    types = set(map(type, values))
+    if TensorMeta in types or (
+        types <= {torch.Tensor, torch.nn.Parameter} and all(map(_is_meta, values))
+    ):
+        shape = _combined_shape(
+            kind, dim, list(map(tuple, map(_shape_of, values))), ctx, keys, values
+        )
+        first = values[0]
+        if type(first) is TensorMeta:
+            return TensorMeta(shape, first.dtype)
+        return torch.empty(shape, dtype=first.dtype, device="meta")
     if kind == "fuse":
         return _run(lambda ts: [torch.cat(ts, dim)], values, ctx, keys, f"concatenate along {dim}")[
             0
@@ -347,6 +425,116 @@ def _refuse_others(
     )
 
 
+class _FieldKeys(Sequence[str]):
+    """``"<key> state '<field>'"`` for each source key, spelled only when a message needs it."""
+
+    def __init__(self, keys: Sequence[str], field: str) -> None:
+        self.keys = keys
+        self.field = field
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [f"{k} state {self.field!r}" for k in self.keys[i]]
+        return f"{self.keys[i]} state {self.field!r}"
+
+
+_first = itemgetter(0)
+_second = itemgetter(1)
+_shape_of = attrgetter("shape")
+_is_meta = attrgetter("is_meta")
+
+
+def _all_equal(column: Sequence[Any]) -> bool:
+    """A quick proof that every value of a scalar column equals the first (``False``: not sure).
+
+    One object throughout; or meta tensors of one dtype (no values to differ); or CPU
+    tensors of one dtype and shape compared in one ``torch.eq`` (NaN fails it, and goes
+    to the comparison one by one).
+    """
+    first = column[0]
+    if all(v is first for v in column):
+        return True
+    if set(map(type, column)) != {torch.Tensor}:
+        return False
+    if len({(str(v.dtype), tuple(v.shape), v.device) for v in column}) != 1:
+        return False
+    if all(map(_is_meta, column)):
+        return True
+    if first.device.type != "cpu":
+        return False
+    with torch.no_grad():
+        return bool(torch.stack(list(column)).eq(first).all())
+
+
+def _combine_columns(
+    kind: str,
+    dim: int,
+    entries: Sequence[Fields],
+    shapes: Sequence[tuple[int, ...] | None],
+    ctx: Context,
+    keys: Sequence[str],
+) -> Fields | None:
+    """:func:`combine_state` for the usual case, a column (field) at a time; ``None``: unusual.
+
+    Usual: every source has the same fields in the same order, each field is all tensors
+    with dimensions or all scalars, and the tensors of each source share one shape (the
+    parameter's, where it is known). Anything else goes to the general path, which finds
+    the problem and names it.
+    """
+    paths = tuple(map(_first, entries[0]))
+    if any(tuple(map(_first, e)) != paths for e in entries[1:]):
+        return None
+    columns = list(zip(*(map(_second, e) for e in entries), strict=True))
+    kinds: list[str] = []
+    param_shapes: list[tuple[int, ...]] | None = None
+    for column in columns:
+        types = set(map(type, column))
+        if types <= _TENSOR_TYPES:
+            column_shapes = list(map(tuple, map(_shape_of, column)))
+            ranks = set(map(len, column_shapes))
+            if ranks == {0}:
+                kinds.append(SCALAR)
+                continue
+            if 0 in ranks:
+                return None
+            if param_shapes is None:
+                param_shapes = column_shapes
+            elif column_shapes != param_shapes:
+                return None
+            kinds.append(PARAM)
+        elif types & {list, tuple, dict, torch.Tensor, torch.nn.Parameter, TensorMeta}:
+            return None
+        else:
+            kinds.append(SCALAR)
+    if param_shapes is None:
+        return None  # only scalars: maybe a 0-d parameter, for the general path to tell
+    if any(s is not None and s != p for s, p in zip(shapes, param_shapes, strict=True)):
+        return None
+    out: Fields = []
+    for path, column, what in zip(paths, columns, kinds, strict=True):
+        if what is PARAM:
+            out.append((path, combine(kind, dim, column, ctx, _FieldKeys(keys, ctx.spell(path)))))
+            continue
+        first = column[0]
+        if _all_equal(column):
+            out.append((path, first))
+            continue
+        for value, key in zip(column[1:], keys[1:], strict=True):
+            if value is not first and not same_scalar(first, value):
+                raise ctx.error(
+                    f"the optimizer state field {ctx.spell(path)!r} differs between the parts "
+                    f"({keys[0]}: {_describe(first)}, {key}: {_describe(value)}); a fused "
+                    "parameter has one value per scalar field, so training the parts with "
+                    "different step counts cannot continue as one",
+                    [keys[0], key],
+                )
+        out.append((path, first))
+    return out
+
+
 def combine_state(
     kind: str,
     dim: int,
@@ -372,12 +560,24 @@ def combine_state(
             "none. Drop the state of these parameters first, or convert the model alone.",
             [*with_state, *without],
         )
+    fast = _combine_columns(kind, dim, entries, shapes, ctx, keys)  # type: ignore[arg-type]
+    if fast is not None:
+        return fast
     parts = []
     for entry, shape, key in zip(entries, shapes, keys, strict=True):
         assert entry is not None
         inferred = shape is None
         if inferred:
             shape = infer_shape(entry)
+        dims = {len(v.shape) for _, v in entry if is_tensor(v)}
+        if 0 in dims and (shape == () or (shape is None and dims == {0})):
+            # a 0-d parameter's moments are 0-d too: they cannot be told from its step
+            raise ctx.error(
+                f"{key} is a 0-d parameter (or one whose shape nothing says) whose optimizer "
+                "state holds 0-d tensors, which cannot be told from scalar fields such as "
+                "'step'; stack such parameters without their optimizer state (drop it first)",
+                keys,
+            )
         params, scalars, others = _classified(entry, shape)
         if others:
             return _refuse_others(others, key, shape, inferred, ctx, keys)  # type: ignore[no-any-return]

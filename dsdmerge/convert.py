@@ -37,7 +37,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from itertools import compress
+from operator import itemgetter, methodcaller, ne
 from typing import Any, Literal
+
+import torch
 
 from dsdmerge import _convert_ops as ops
 from dsdmerge._conversions import (
@@ -50,6 +53,8 @@ from dsdmerge._conversions import (
     Unstack,
     expand,
 )
+from dsdmerge._gc import gc_paused
+from dsdmerge._table import read_rows
 from dsdmerge._templates import Template
 from dsdmerge._values import short_repr
 from dsdmerge.errors import ConversionError, DSDMergeWarning, LayoutError, StateDictTypeError
@@ -79,6 +84,8 @@ __all__ = [
 ]
 
 Nonelementwise = Literal["raise", "reset"]
+_first = itemgetter(0)
+_second = itemgetter(1)
 PARAM_NAMES = "param_names"
 Anchor = tuple[int, ...]
 """Where a converted entry goes: the position of the original entry it descends from,
@@ -222,10 +229,12 @@ def _plan(rule: _Rule, fqns: list[str]) -> list[_Instance]:
     """The instances of ``rule`` among ``fqns`` (unstack targets are filled in later)."""
     record = rule.record
     if isinstance(record, Fuse):
-        groups: dict[tuple[tuple[str, str], ...], list[str | None]] = {}
+        groups: dict[tuple[str, ...], list[str | None]] = {}
         where: dict[str, int] = {}
         k = len(record._sources)
+        names = record._target.names  # each match keyed by its values in this order
         for i, source in enumerate(record._sources):
+            order = [source.names.index(n) for n in names]
             for fqn, values in source.matches(fqns):
                 if fqn in where:
                     raise rule.error(
@@ -234,11 +243,14 @@ def _plan(rule: _Rule, fqns: list[str]) -> list[_Instance]:
                         [fqn],
                     )
                 where[fqn] = i
-                key = tuple(sorted(zip(source.names, values, strict=True)))
-                groups.setdefault(key, [None] * k)[i] = fqn
+                key = tuple(map(values.__getitem__, order))
+                found = groups.get(key)
+                if found is None:
+                    found = groups[key] = [None] * k
+                found[i] = fqn
         out = []
         for key, found in groups.items():
-            binding = dict(key)
+            binding = dict(zip(names, key, strict=True))
             if None in found:
                 have = [f for f in found if f is not None]
                 lack = [
@@ -254,25 +266,34 @@ def _plan(rule: _Rule, fqns: list[str]) -> list[_Instance]:
             out.append(_Instance(list(found), [record._target.fill(binding)], binding))  # type: ignore[arg-type]
         return out
     if isinstance(record, Stack):
-        parts: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+        parts: dict[tuple[str, ...], dict[str, str]] = {}
+        names = record._source.names
+        at = names.index(record.over)
+        others = names[:at] + names[at + 1 :]
         for fqn, values in record._source.matches(fqns):
-            binding = dict(zip(record._source.names, values, strict=True))
-            index = binding.pop(record.over)
-            parts.setdefault(tuple(sorted(binding.items())), {})[index] = fqn
+            key = values[:at] + values[at + 1 :]
+            by_index = parts.get(key)
+            if by_index is None:
+                by_index = parts[key] = {}
+            by_index[values[at]] = fqn
         out = []
         for key, by_index in parts.items():
-            binding = dict(key)
-            bad = sorted(
-                i for i in by_index if not (i.isdecimal() and i.isascii() and str(int(i)) == i)
-            )
+            binding = dict(zip(others, key, strict=True))
+            bad: list[str] = []
+            if not (all(map(str.isdecimal, by_index)) and all(map(str.isascii, by_index))) or any(
+                i[0] == "0" and len(i) > 1 for i in by_index
+            ):
+                bad = sorted(
+                    i for i in by_index if not (i.isdecimal() and i.isascii() and str(int(i)) == i)
+                )
             if bad:
                 raise rule.error(
                     f"{by_index[bad[0]]} has {record.over}={bad[0]!r}, not an index "
                     f"(0, 1, ...); the parts of a stack are numbered from 0",
                     [by_index[b] for b in bad],
                 )
-            numbers = sorted(map(int, by_index))
-            if numbers != list(range(len(numbers))):
+            numbers = sorted(map(int, by_index))  # distinct: every index is spelled one way
+            if numbers[-1] != len(numbers) - 1:
                 missing = sorted(set(range(numbers[-1] + 1)) - set(numbers))
                 absent = [record._source.fill({**binding, record.over: str(m)}) for m in missing]
                 raise rule.error(
@@ -282,7 +303,7 @@ def _plan(rule: _Rule, fqns: list[str]) -> list[_Instance]:
                     "0..n-1, every one",
                     absent,
                 )
-            sources = [by_index[str(i)] for i in numbers]
+            sources = list(map(by_index.__getitem__, map(str, numbers)))
             out.append(_Instance(sources, [record._target.fill(binding)], binding))
         return out
     source = rule.sources[0]
@@ -312,7 +333,9 @@ def _unstack_targets(rule: _Rule, instance: _Instance, n: int) -> list[str]:
 class _ModelPart:
     """``{fqn: value}`` (a model state dict, or the model keys under a flat prefix)."""
 
-    def __init__(self, before: str, fqns: list[str], values: list[Any], indices: list[int]) -> None:
+    def __init__(
+        self, before: str, fqns: list[str], values: list[Any], indices: Iterable[int]
+    ) -> None:
         self.before = before
         self.values: dict[str, Any] = dict(zip(fqns, values, strict=True))
         self.index: dict[str, int] = dict(zip(fqns, indices, strict=True))  # original, unchanged
@@ -354,17 +377,32 @@ class _ModelPart:
         value = self.values.get(fqn)
         if value is None or not ops.is_tensor(value):
             return None
-        return tuple(int(n) for n in value.shape)
+        return tuple(value.shape)
 
 
 class _Hyper:
-    """A parameter's hyperparameters: its group (``key``, ``None`` in a flat dict) and items."""
+    """A parameter's hyperparameters (``param_names`` left out), their names and values.
 
-    __slots__ = ("items", "key")
+    ``key`` names its group: equal keys, equal hyperparameters (``None`` in a flat dict,
+    where each parameter has its own).
+    """
 
-    def __init__(self, key: object, items: list[tuple[str, Any]]) -> None:
+    __slots__ = ("key", "names", "values")
+
+    def __init__(self, key: object, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+        if PARAM_NAMES in names:
+            at = names.index(PARAM_NAMES)
+            names, values = names[:at] + names[at + 1 :], values[:at] + values[at + 1 :]
         self.key = key
-        self.items = items
+        self.names = names
+        self.values = values
+
+    @classmethod
+    def of(cls, key: object, names: tuple[str, ...], values: tuple[Any, ...]) -> _Hyper:
+        """One whose ``names`` are known to lack ``param_names``."""
+        out = cls.__new__(cls)
+        out.key, out.names, out.values = key, names, values
+        return out
 
 
 def _spell_suffix(path: Hashable) -> str:
@@ -388,12 +426,17 @@ class _FlatOptim:
         self.keys, self.values = keys, values
         self.st = prefix + STATE_PREFIX
         self.pg = prefix + PG_PREFIX
-        self.state_idx: dict[str, list[int]] = {}
-        self.pg_idx: dict[str, list[int]] = {}
+        # each parameter's original keys (positions); a range when they stand together
+        self.state_idx: dict[str, Sequence[int]] = {}
+        self.pg_idx: dict[str, Sequence[int]] = {}
+        # read as a table (see _read_table): each parameter's suffixes and hyperparameter names,
+        # one tuple per block of rows, shared
+        self.suffixes: dict[str, tuple[str, ...]] = {}
+        self.names: dict[str, tuple[tuple[str, ...], int]] = {}
         self.state_new: dict[str, tuple[Anchor, ops.Fields]] = {}
         self.pg_new: dict[str, tuple[Anchor, ops.Fields]] = {}
         self.current: dict[str, None] = {}
-        self.dead: list[int] = []
+        self.dead: list[Sequence[int]] = []  # the original keys of each removed entry
         self.names_at: list[int] = []  # original param_groups.<fqn>.param_names keys
         self.subs: list[dict[str, list[str]]] = []
 
@@ -404,31 +447,57 @@ class _FlatOptim:
     def fqns(self) -> list[str]:
         return list(self.current)
 
-    def _fields(self, before: str, fqn: str, indices: list[int]) -> ops.Fields:
-        cut = len(before) + len(fqn)
+    def _fields(self, before: str, fqn: str, indices: Sequence[int], skip: int = 0) -> ops.Fields:
+        """``(suffix, value)`` of the keys at ``indices`` (``skip``: characters more to cut)."""
+        cut = itemgetter(slice(len(before) + len(fqn) + skip, None))
         keys, values = self.keys, self.values
-        return [(keys[i][cut:], values[i]) for i in indices]
+        first, last = indices[0], indices[-1]
+        if last - first + 1 == len(indices):  # one run of keys: C-level slices
+            return list(
+                zip(map(cut, keys[first : last + 1]), values[first : last + 1], strict=True)
+            )
+        return [(cut(keys[i]), values[i]) for i in indices]
 
     def state_of(self, fqn: str) -> ops.Fields | None:
         new = self.state_new.get(fqn)
         if new is not None:
             return new[1]
         indices = self.state_idx.get(fqn)
-        return None if indices is None else self._fields(self.st, fqn, indices)
+        if indices is None:
+            return None
+        suffixes = self.suffixes.get(fqn)
+        if suffixes is not None:  # read as a table: a range, with the block's suffixes
+            return list(zip(suffixes, self.values[indices[0] : indices[-1] + 1], strict=True))
+        return self._fields(self.st, fqn, indices)
 
     def hyper_of(self, fqn: str) -> _Hyper | None:
         new = self.pg_new.get(fqn)
         if new is not None:
             rows = new[1]
-        else:
-            indices = self.pg_idx.get(fqn)
-            if indices is None:
-                return None
-            rows = self._fields(self.pg, fqn, indices)
-        return _Hyper(None, [(str(suffix)[1:], v) for suffix, v in rows])
+            return _Hyper(None, tuple(str(k)[1:] for k, _ in rows), tuple(map(_second, rows)))
+        indices = self.pg_idx.get(fqn)
+        if indices is None:
+            return None
+        named = self.names.get(fqn)
+        if named is not None:  # read as a table: the block's names (param_names left out)
+            names, skip = named
+            values = tuple(self.values[indices[0] : indices[-1] + 1])
+            if skip >= 0:
+                values = values[:skip] + values[skip + 1 :]
+            return _Hyper.of(None, names, values)
+        cut = itemgetter(slice(len(self.pg) + len(fqn) + 1, None))  # hyperparameter names
+        first, last = indices[0], indices[-1]
+        if last - first + 1 == len(indices):  # one run of keys: C-level slices
+            keys = self.keys[first : last + 1]
+            return _Hyper(None, tuple(map(cut, keys)), tuple(self.values[first : last + 1]))
+        return _Hyper(
+            None,
+            tuple(cut(self.keys[i]) for i in indices),
+            tuple(self.values[i] for i in indices),
+        )
 
     def _anchor(
-        self, fqn: str, new: dict[str, tuple[Anchor, ops.Fields]], idx: dict[str, list[int]]
+        self, fqn: str, new: dict[str, tuple[Anchor, ops.Fields]], idx: dict[str, Sequence[int]]
     ) -> Anchor | None:
         found = new.get(fqn)
         if found is not None:
@@ -485,10 +554,12 @@ class _FlatOptim:
 
     def _remove(self, fqn: str) -> None:
         self.current.pop(fqn, None)
+        self.names.pop(fqn, None)
+        self.suffixes.pop(fqn, None)
         for idx, new in ((self.state_idx, self.state_new), (self.pg_idx, self.pg_new)):
             indices = idx.pop(fqn, None)
             if indices is not None:
-                self.dead += indices
+                self.dead.append(indices)
             new.pop(fqn, None)
 
     def group_names(self) -> set[str]:
@@ -497,7 +568,7 @@ class _FlatOptim:
         for fqn in list(self.pg_idx)[:64]:
             hyper = self.hyper_of(fqn)
             if hyper is not None:
-                names.update(n for n, _ in hyper.items)
+                names.update(hyper.names)
         for _, rows in list(self.pg_new.values())[:64]:
             names.update(str(s)[1:] for s, _ in rows)
         return names
@@ -513,9 +584,16 @@ class _FlatOptim:
         """Apply the rules' substitutions to every ``param_names`` list (new lists)."""
         if not self.subs:
             return
+        if not self.names_at:
+            for j, (anchor, key, value) in enumerate(items):
+                if key.startswith(self.pg) and key.endswith("." + PARAM_NAMES):
+                    fqn = key[len(self.pg) : -len(PARAM_NAMES) - 1]
+                    items[j] = (anchor, key, self._renamed(value, fqn, {}))
+            return
         done: dict[int, Any] = {}
+        dead = {i for indices in self.dead for i in indices}
         for i in self.names_at:
-            if i in self.dead:
+            if i in dead:
                 continue
             fqn = self.keys[i][len(self.pg) : -len(PARAM_NAMES) - 1]
             replaced[i] = self._renamed(self.values[i], fqn, done)
@@ -569,6 +647,7 @@ class _Group:
         ]
         self.members: dict[str, Anchor] = {}
         self.names: dict[str, str] | None = None
+        self.hyper: _Hyper | None = None
 
 
 class _NestedOptim:
@@ -584,6 +663,9 @@ class _NestedOptim:
         if not isinstance(state, Mapping):
             raise LayoutError(f"{where or 'the optimizer'}['state'] must be a mapping")
         self.groups = [_Group(self._group(g, i)) for i, g in enumerate(groups)]
+        for i, group in enumerate(self.groups):
+            items = group.items
+            group.hyper = _Hyper(i, tuple(map(_first, items)), tuple(map(_second, items)))
         params = [p for g in self.groups for p in g.original[PARAMS]]
         kinds = {type(p) for p in params}
         if kinds - {int, str} or len(kinds) > 1:
@@ -669,7 +751,7 @@ class _NestedOptim:
 
     def hyper_of(self, fqn: str) -> _Hyper | None:
         gi = self.group_of.get(fqn)
-        return None if gi is None else _Hyper(gi, self.groups[gi].items)
+        return None if gi is None else self.groups[gi].hyper
 
     def _state_anchor(self, fqn: str) -> Anchor | None:
         new = self.new.get(fqn)
@@ -807,6 +889,9 @@ def _derived_name(name: str, source: str, target: str, where: str) -> str:
 
 def _walk_entry(entry: Mapping[Any, Any], where: str) -> ops.Fields:
     """A nested state entry's leaves at their key paths (an empty mapping is a leaf)."""
+    types = set(map(type, entry.values()))
+    if types <= _LEAF_TYPES or not any(issubclass(tp, Mapping) for tp in types):
+        return list(zip(zip(entry), entry.values(), strict=True))  # one (key,) path per leaf
     out: ops.Fields = []
     on_path = {id(entry)}
     stack: list[tuple[tuple[Any, ...], Any, Mapping[Any, Any]]] = [((), iter(entry.items()), entry)]
@@ -852,23 +937,40 @@ class _FlatNode:
         self.keys, self.values = keys, values
         self.optims: list[_FlatOptim] = []
         self.models: dict[str, _ModelPart] = {}
-        prefixes = optimizer_prefixes(keys) if any(PG_PREFIX in k for k in keys) else []
-        depth = prefixes[0].count(".") if prefixes else 0
+        sections = bytes(map(methodcaller("startswith", (STATE_PREFIX, PG_PREFIX)), keys))
+        if keys and 0 not in sections and any(map(methodcaller("startswith", PG_PREFIX), keys)):
+            prefixes = [""]  # an optimizer alone (DSD's flattened form): the common case
+        elif any(map(methodcaller("__contains__", PG_PREFIX), keys)):
+            prefixes = optimizer_prefixes(keys)
+        else:
+            prefixes = []
+        if not prefixes:  # a model state dict (or any flat dict): every key is an fqn
+            if keys:
+                self.models[""] = _ModelPart("", keys, values, range(len(keys)))
+            return
+        if prefixes == [""] and 0 not in sections:
+            optim = _FlatOptim("", keys, values)
+            if _read_table(optim, keys):
+                self.optims.append(optim)
+                return
+        depth = prefixes[0].count(".")
         is_opt = bytearray(len(keys))
+        heads = list(map(_first, map(methodcaller("rpartition", "."), keys)))
+        # runs of keys with one head (``state.<fqn>``, ``param_groups.<fqn>``): a parameter's
+        # keys stand together in torch's layout, so there are about two runs per parameter
+        starts = [0, *compress(range(1, len(keys)), map(ne, heads[1:], heads))]
+        runs = list(zip(starts, [*starts[1:], len(keys)], strict=True))
         for p in prefixes:
             optim = _FlatOptim(p, keys, values)
-            self._parse_optimizer(optim, is_opt)
+            self._parse_optimizer(optim, is_opt, heads, runs)
             self.optims.append(optim)
         model: dict[str, tuple[list[str], list[Any], list[int]]] = {}
         for i in compress(range(len(keys)), bytes(is_opt).translate(_INVERT)):
             key = keys[i]
-            if depth:
-                parts = key.split(".", depth)
-                if len(parts) <= depth:
-                    continue
-                before, fqn = ".".join(parts[:depth]) + ".", parts[depth]
-            else:
-                before, fqn = "", key
+            parts = key.split(".", depth)
+            if len(parts) <= depth:
+                continue
+            before, fqn = ".".join(parts[:depth]) + ".", parts[depth]
             found = model.get(before)
             if found is None:
                 found = model[before] = ([], [], [])
@@ -878,45 +980,47 @@ class _FlatNode:
         for before, (fqns, vals, indices) in model.items():
             self.models[before] = _ModelPart(before, fqns, vals, indices)
 
-    def _parse_optimizer(self, optim: _FlatOptim, is_opt: bytearray) -> None:
+    def _parse_optimizer(
+        self, optim: _FlatOptim, is_opt: bytearray, heads: list[str], runs: list[tuple[int, int]]
+    ) -> None:
         keys = self.keys
         pg, st = optim.pg, optim.st
-        suffix = "." + PARAM_NAMES
-        for i, key in enumerate(keys):
-            if is_opt[i] or not key.startswith(pg):
+        state_runs = []
+        for start, end in runs:
+            head = heads[start]
+            if head.startswith(st):
+                state_runs.append((start, end))
                 continue
-            fqn, dot, _ = key[len(pg) :].rpartition(".")
-            if not dot or not fqn:
+            if is_opt[start] or not head.startswith(pg) or len(head) == len(pg):
                 continue
-            is_opt[i] = 1
+            fqn = head[len(pg) :]
+            is_opt[start:end] = b"\x01" * (end - start)
             found = optim.pg_idx.get(fqn)
-            if found is None:
-                optim.pg_idx[fqn] = [i]
-            else:
-                found.append(i)
-            if key.endswith(suffix):
-                optim.names_at.append(i)
+            optim.pg_idx[fqn] = range(start, end) if found is None else [*found, *range(start, end)]
+        suffix = "." + PARAM_NAMES
+        optim.names_at = [
+            i
+            for i in compress(range(len(keys)), map(methodcaller("endswith", suffix), keys))
+            if is_opt[i] and keys[i].startswith(pg)
+        ]
         known = optim.pg_idx
         longest = max(map(len, known), default=0)
-        for i, key in enumerate(keys):
-            if is_opt[i] or not key.startswith(st):
+        for start, end in state_runs:
+            if is_opt[start]:
                 continue
-            rest = key[len(st) :]
-            head = rest.rpartition(".")[0]
-            if head in known:
-                fqn = head
-            else:
-                split = split_param_key(rest, known, longest)
-                if split is None:
-                    is_opt[i] = 1  # an optimizer-level entry (MADGRAD's state.k): kept as is
-                    continue
-                fqn = split[0]
-            is_opt[i] = 1
-            found = optim.state_idx.get(fqn)
-            if found is None:
-                optim.state_idx[fqn] = [i]
-            else:
-                found.append(i)
+            fqn = heads[start][len(st) :]
+            if fqn in known:  # state.<fqn>.<name>: the whole run
+                is_opt[start:end] = b"\x01" * (end - start)
+                found = optim.state_idx.get(fqn)
+                optim.state_idx[fqn] = (
+                    range(start, end) if found is None else [*found, *range(start, end)]
+                )
+                continue
+            for i in range(start, end):  # nested state, or an optimizer-level entry
+                split = split_param_key(keys[i][len(st) :], known, longest)
+                is_opt[i] = 1  # (an optimizer-level entry, MADGRAD's state.k, is kept as is)
+                if split is not None:
+                    optim.state_idx[split[0]] = [*optim.state_idx.get(split[0], ()), i]
         optim.finish_parsing()
 
     def output(self) -> dict[str, Any]:
@@ -930,8 +1034,13 @@ class _FlatNode:
                 alive[i] = 0
             items += model.new_items()
         for optim in self.optims:
-            for i in optim.dead:
-                alive[i] = 0
+            for indices in optim.dead:
+                first, last = indices[0], indices[-1]
+                if last - first + 1 == len(indices):  # one run (the usual case)
+                    alive[first : last + 1] = bytes(len(indices))
+                else:
+                    for i in indices:
+                        alive[i] = 0
             new = optim.new_items()
             optim.renamed_lists(replaced, new)
             items += new
@@ -958,6 +1067,52 @@ class _FlatNode:
                 keys=(clash,),
             )
         return out
+
+
+def _read_table(optim: _FlatOptim, keys: list[str]) -> bool:
+    """Index an optimizer alone laid out as torch writes it, by rows; ``False``: it is not.
+
+    Torch's layout: every ``state.*`` key before the first ``param_groups.*`` key, each
+    parameter's keys one row after another, every row of a block the same names
+    (:func:`~dsdmerge._table.read_rows` checks all of this in C-level passes). Then a
+    parameter's keys are a range of positions, and no key is split on its own.
+    """
+    is_pg = bytes(map(methodcaller("startswith", PG_PREFIX), keys))
+    first = is_pg.find(1)
+    if first < 0 or 0 in is_pg[first:]:
+        return False
+    groups = read_rows(keys[first:], PG_PREFIX)
+    state = read_rows(keys[:first], STATE_PREFIX) if first else ([], [])
+    if groups is None or state is None:
+        return False
+    at = first
+    fqns, blocks = groups
+    for start, end, names in blocks:
+        k = len(names)
+        skip = names.index(PARAM_NAMES) if PARAM_NAMES in names else -1
+        named = (tuple(n for n in names if n != PARAM_NAMES), skip)
+        for fqn in fqns[start:end]:
+            optim.pg_idx[fqn] = range(at, at + k)
+            optim.names[fqn] = named
+            at += k
+        if skip >= 0:
+            optim.names_at += range(at - (end - start) * k + skip, at, k)
+    at = 0
+    fqns, blocks = state
+    for start, end, names in blocks:
+        k = len(names)
+        suffixes = tuple("." + n for n in names)
+        for fqn in fqns[start:end]:
+            optim.state_idx[fqn] = range(at, at + k)
+            optim.suffixes[fqn] = suffixes
+            at += k
+    if not all(map(optim.pg_idx.__contains__, state[0])):
+        for index in (optim.pg_idx, optim.state_idx, optim.names, optim.suffixes):
+            index.clear()
+        optim.names_at.clear()
+        return False
+    optim.finish_parsing()
+    return True
 
 
 def _kept(
@@ -1074,6 +1229,8 @@ class _Job:
 
     def shape(self, fqn: str) -> tuple[int, ...] | None:
         """The parameter's shape as the model parts say it (``None``: unknown, or they differ)."""
+        if len(self.models) == 1:
+            return self.models[0].shape(fqn)
         shapes = {s for s in (m.shape(fqn) for m in self.models) if s is not None}
         return next(iter(shapes)) if len(shapes) == 1 else None
 
@@ -1094,9 +1251,10 @@ class _Job:
                     else "; the state dict names no parameters"
                 )
                 raise rule.error(f"its sources match no parameter{seen}")
-            shapes = {
+            shapes = {  # the sources' shapes, as the model parts say them before this rule
                 s: self.shape(s)
-                for _, _, instances in plans
+                for part, _, instances in (plans if self.models else ())
+                if not isinstance(part, _ModelPart)
                 for inst in instances
                 for s in inst.sources
             }
@@ -1259,12 +1417,15 @@ class _Job:
             )
         first = hypers[0]
         assert first is not None
-        want = {k: v for k, v in first.items if k != PARAM_NAMES}
+        plain = all(map(_is_plain, first.values))  # == on these is a bool, never a tensor
         for source, hyper in zip(sources[1:], hypers[1:], strict=True):
             assert hyper is not None
             if hyper.key is not None and hyper.key == first.key:
                 continue
-            got = {k: v for k, v in hyper.items if k != PARAM_NAMES}
+            if plain and hyper.names == first.names and hyper.values == first.values:
+                continue  # (== on plain values; anything else by the comparison below)
+            want = dict(zip(first.names, first.values, strict=True))
+            got = dict(zip(hyper.names, hyper.values, strict=True))
             for name in [*want, *(k for k in got if k not in want)]:
                 a, b = want.get(name, _ABSENT), got.get(name, _ABSENT)
                 if a is _ABSENT or b is _ABSENT or not ops.same_scalar(a, b):
@@ -1309,6 +1470,16 @@ class _Job:
 
 
 _ABSENT: Any = object()
+_PLAIN = frozenset({float, int, bool, str, type(None)})
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, *_PLAIN, tuple, list, set})
+
+
+def _is_plain(value: Any) -> bool:
+    """A value whose ``==`` is a bool: a plain scalar, or a tuple of them (``betas``)."""
+    tp = type(value)
+    return tp in _PLAIN or (tp is tuple and all(type(v) in _PLAIN for v in value))
+
+
 _INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 
@@ -1383,8 +1554,9 @@ def convert(
         )
     require_mapping(state_dict, "the state dict")
     job = _Job(rules, nonelementwise)
-    root = job.build(state_dict)
-    job.run()
-    out: dict[Any, Any] = root.output()
+    with gc_paused():  # many small containers, none of them cyclic (see dsdmerge._gc)
+        root = job.build(state_dict)
+        job.run()
+        out: dict[Any, Any] = root.output()
     job.warn()
     return out
