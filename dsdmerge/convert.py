@@ -54,10 +54,17 @@ from dsdmerge._conversions import (
     expand,
 )
 from dsdmerge._gc import gc_paused
+from dsdmerge._records import TensorMeta
 from dsdmerge._table import read_rows
 from dsdmerge._templates import Template
 from dsdmerge._values import short_repr
-from dsdmerge.errors import ConversionError, DSDMergeWarning, LayoutError, StateDictTypeError
+from dsdmerge.errors import (
+    ConversionError,
+    DSDMergeError,
+    DSDMergeWarning,
+    LayoutError,
+    StateDictTypeError,
+)
 from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -1439,7 +1446,7 @@ class _Job:
 
     # -- after the rules
 
-    def warn(self) -> None:
+    def warn(self, stacklevel: int) -> None:
         if self.resets:
             shown = "; ".join(self.resets[:5])
             more = f"; and {len(self.resets) - 5} more" if len(self.resets) > 5 else ""
@@ -1449,7 +1456,7 @@ class _Job:
                     f"optimizer state (nonelementwise='reset'), as their state cannot be "
                     f"converted elementwise: {shown}{more}"
                 ),
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         kinds: dict[str, str] = {}
         for part in self.converted:
@@ -1465,7 +1472,7 @@ class _Job:
                     "updates differ from the updates its parts would have had: training goes "
                     "on from the converted state, not exactly as before the conversion."
                 ),
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
 
 
@@ -1491,9 +1498,13 @@ def _shown(value: Any) -> str:
 # the public function
 
 
+Conversions = Sequence[Conversion | str] | Conversion | str
+"""What ``convert=`` takes: conversion records and preset names, in order (or one of them)."""
+
+
 def convert(
     state_dict: Mapping[Any, Any],
-    conversions: Sequence[Conversion | str] | Conversion | str,
+    conversions: Conversions,
     /,
     *,
     nonelementwise: Nonelementwise = "raise",
@@ -1547,6 +1558,22 @@ def convert(
         >>> tuple(out["state"]["w"]["exp_avg"].shape), out["state"]["w"]["step"]
         ((3, 2), tensor(3.))
     """
+    return convert_checkpoint(state_dict, conversions, nonelementwise=nonelementwise, stacklevel=3)
+
+
+def convert_checkpoint(
+    state_dict: Mapping[Any, Any],
+    conversions: Conversions,
+    /,
+    *,
+    nonelementwise: Nonelementwise = "raise",
+    stacklevel: int,
+) -> dict[Any, Any]:
+    """:func:`convert`, warning at ``stacklevel`` (as for ``warnings.warn``, from here).
+
+    What ``convert=`` of :func:`~dsdmerge.merge`, :func:`~dsdmerge.diff`, ... applies
+    to the checkpoint (after ``rename=``).
+    """
     rules = expand(conversions)
     if nonelementwise not in ("raise", "reset"):
         raise ConversionError(
@@ -1558,5 +1585,58 @@ def convert(
         root = job.build(state_dict)
         job.run()
         out: dict[Any, Any] = root.output()
-    job.warn()
+    job.warn(stacklevel + 1)
     return out
+
+
+def suggest_conversions(
+    checkpoint: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+) -> tuple[str, ...]:
+    """The presets that would turn unexpected keys of ``checkpoint`` into missing ones.
+
+    ``checkpoint`` and ``reference`` are flat; ``missing`` and ``unexpected`` are keys
+    of the reference and of the checkpoint. A preset fits when, applied to the
+    unexpected keys alone (by shape: their tensors as :class:`~dsdmerge.TensorMeta`),
+    it converts something and every key it makes is missing, with the reference's
+    shape and dtype. Best effort: ``()`` when none fits or when unsure.
+    """
+    if not missing or not unexpected:
+        return ()
+    text = "\0".join(unexpected)  # one C-level search per literal, not one per key
+    names = [
+        name
+        for name, rules in CONVERSION_PRESETS.items()
+        if any(t.literal.strip(".") in text for r in rules for t in _Rule(r, name).sources)
+    ]
+    if not names:
+        return ()
+    view = {k: _meta(checkpoint[k]) for k in unexpected if k in checkpoint}
+    missing_set = set(missing)
+    found = []
+    for name in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DSDMergeWarning)
+                converted = convert_checkpoint(view, [name], stacklevel=2)
+        except (DSDMergeError, RecursionError):
+            continue
+        made = [k for k in converted if k not in view]
+        if made and all(k in missing_set and _same_meta(converted[k], reference[k]) for k in made):
+            found.append(name)
+    return tuple(found)
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(value.shape), value.dtype)
+    return value
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    a_tensor, b_tensor = ops.is_tensor(a), ops.is_tensor(b)
+    if a_tensor != b_tensor:
+        return False
+    return not a_tensor or (tuple(a.shape) == tuple(b.shape) and str(a.dtype) == str(b.dtype))

@@ -692,3 +692,9 @@ def test_a_flat_optimizer_in_any_key_order_converts_as_in_torchs_order(rules):
     moved = dict(flat)  # a row out of its place: the keys of one parameter apart
     moved["state.head.exp_avg"] = moved.pop("state.head.exp_avg")
     assert story.tree_differences(dm.convert(flat, rules), dm.convert(moved, rules)) == []
+
+
+def test_warnings_point_at_the_caller():
+    with pytest.warns(dm.DSDMergeWarning) as caught:
+        dm.convert(factored(), [dm.Fuse(["a", "b"], "ab")], nonelementwise="reset")
+    assert caught[0].filename == __file__
