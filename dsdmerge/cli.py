@@ -511,9 +511,8 @@ def _renamed_keys(view: Mapping[str, Any], rules: Any, convert: Any = None) -> l
         renamed = rename_checkpoint(view, rules)[0] if rules else view
         if not convert:
             return list(renamed)
-        with warnings.catch_warnings():  # the diff or merge itself reported them
-            warnings.simplefilter("ignore")
-            return list(convert_checkpoint(renamed, convert, stacklevel=2))
+        # (quiet: the diff or merge itself reported what converting warns about)
+        return list(convert_checkpoint(renamed, convert, stacklevel=2, quiet=True))
     except Exception:  # noqa: BLE001 - the diff or merge itself reports a bad rule
         return list(view)
 

@@ -1568,11 +1568,13 @@ def convert_checkpoint(
     *,
     nonelementwise: Nonelementwise = "raise",
     stacklevel: int,
+    quiet: bool = False,
 ) -> dict[Any, Any]:
     """:func:`convert`, warning at ``stacklevel`` (as for ``warnings.warn``, from here).
 
     What ``convert=`` of :func:`~dsdmerge.merge`, :func:`~dsdmerge.diff`, ... applies
-    to the checkpoint (after ``rename=``).
+    to the checkpoint (after ``rename=``). ``quiet``: no warnings (for trials whose
+    result is not handed out; no warning filter is touched, so threads are safe).
     """
     rules = expand(conversions)
     if nonelementwise not in ("raise", "reset"):
@@ -1585,7 +1587,8 @@ def convert_checkpoint(
         root = job.build(state_dict)
         job.run()
         out: dict[Any, Any] = root.output()
-    job.warn(stacklevel + 1)
+    if not quiet:
+        job.warn(stacklevel + 1)
     return out
 
 
@@ -1618,9 +1621,7 @@ def suggest_conversions(
     found = []
     for name in names:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DSDMergeWarning)
-                converted = convert_checkpoint(view, [name], stacklevel=2)
+            converted = convert_checkpoint(view, [name], stacklevel=2, quiet=True)
         except (DSDMergeError, RecursionError):
             continue
         made = [k for k in converted if k not in view]
