@@ -27,7 +27,6 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from operator import methodcaller
-from typing import Any
 
 from dsdmerge._text import short_repr
 from dsdmerge.errors import ConversionError
@@ -159,13 +158,3 @@ def _longest_literal(parts: list[str], segments: list[str | None]) -> str:
                 best = text
         run = []
     return best
-
-
-def same_names(a: Template, b: Template) -> bool:
-    """Whether two templates have the same placeholder names (in any order)."""
-    return set(a.names) == set(b.names)
-
-
-def binding(t: Template, values: tuple[str, ...]) -> dict[str, Any]:
-    """``{name: value}`` of one match of ``t``."""
-    return dict(zip(t.names, values, strict=True))

@@ -53,6 +53,7 @@ LAYERS = [
     "dsdmerge.rekey",
     # layout conversions: one parameter's values, then whole state dicts
     "dsdmerge._convert_ops",
+    "dsdmerge._convert_parts",
     "dsdmerge.convert",
     "dsdmerge.diff",
     "dsdmerge.merge",
