@@ -25,7 +25,7 @@ and among a flat dict's keys. ``param_names`` lists follow the same substitution
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from itertools import compress
+from itertools import compress, count
 from operator import itemgetter, methodcaller, ne
 from typing import Any
 
@@ -676,9 +676,13 @@ class FlatNode:
         self.keys, self.values = keys, values
         self.optims: list[FlatOptim] = []
         self.models: dict[str, ModelPart] = {}
+        optim = FlatOptim("", keys, values)
+        if _read_table(optim, keys):  # an optimizer alone, as torch writes it: the common case
+            self.optims.append(optim)
+            return
         sections = bytes(map(methodcaller("startswith", (STATE_PREFIX, PG_PREFIX)), keys))
         if keys and 0 not in sections and any(map(methodcaller("startswith", PG_PREFIX), keys)):
-            prefixes = [""]  # an optimizer alone (DSD's flattened form): the common case
+            prefixes = [""]  # an optimizer alone, its keys in another order
         elif any(map(methodcaller("__contains__", PG_PREFIX), keys)):
             prefixes = optimizer_prefixes(keys)
         else:
@@ -687,11 +691,6 @@ class FlatNode:
             if keys:
                 self.models[""] = ModelPart("", keys, values, range(len(keys)))
             return
-        if prefixes == [""] and 0 not in sections:
-            optim = FlatOptim("", keys, values)
-            if _read_table(optim, keys):
-                self.optims.append(optim)
-                return
         depth = prefixes[0].count(".")
         is_opt = bytearray(len(keys))
         heads = list(map(_first, map(methodcaller("rpartition", "."), keys)))
@@ -808,6 +807,13 @@ class FlatNode:
         return out
 
 
+def _rows_into(index: dict[str, Sequence[int]], fqns: list[str], at: int, k: int) -> int:
+    """``index[fqn] = range(...)``: rows of ``k`` keys from position ``at``; the end."""
+    stop = at + len(fqns) * k
+    index.update(zip(fqns, map(range, range(at, stop, k), range(at + k, stop + k, k)), strict=True))
+    return stop
+
+
 def _read_table(optim: FlatOptim, keys: list[str]) -> bool:
     """Index an optimizer alone laid out as torch writes it, by rows; ``False``: it is not.
 
@@ -816,35 +822,33 @@ def _read_table(optim: FlatOptim, keys: list[str]) -> bool:
     (:func:`~dsdmerge._table.read_rows` checks all of this in C-level passes). Then a
     parameter's keys are a range of positions, and no key is split on its own.
     """
-    is_pg = bytes(map(methodcaller("startswith", PG_PREFIX), keys))
-    first = is_pg.find(1)
-    if first < 0 or 0 in is_pg[first:]:
+    # the first param_groups.* key (a scan that stops there); read_rows then checks that
+    # every key before it is a state row and every key from it on a param_groups row
+    first = next(compress(count(), map(methodcaller("startswith", PG_PREFIX), keys)), None)
+    if first is None:
         return False
     groups = read_rows(keys[first:], PG_PREFIX)
+    if groups is None:
+        return False
     state = read_rows(keys[:first], STATE_PREFIX) if first else ([], [])
-    if groups is None or state is None:
+    if state is None:
         return False
     at = first
     fqns, blocks = groups
     for start, end, names in blocks:
-        k = len(names)
+        stop = _rows_into(optim.pg_idx, fqns[start:end], at, len(names))
         skip = names.index(PARAM_NAMES) if PARAM_NAMES in names else -1
         named = (tuple(n for n in names if n != PARAM_NAMES), skip)
-        for fqn in fqns[start:end]:
-            optim.pg_idx[fqn] = range(at, at + k)
-            optim.names[fqn] = named
-            at += k
+        optim.names.update(dict.fromkeys(fqns[start:end], named))
         if skip >= 0:
-            optim.names_at += range(at - (end - start) * k + skip, at, k)
+            optim.names_at += range(at + skip, stop, len(names))
+        at = stop
     at = 0
     fqns, blocks = state
     for start, end, names in blocks:
-        k = len(names)
-        suffixes = tuple("." + n for n in names)
-        for fqn in fqns[start:end]:
-            optim.state_idx[fqn] = range(at, at + k)
-            optim.suffixes[fqn] = suffixes
-            at += k
+        stop = _rows_into(optim.state_idx, fqns[start:end], at, len(names))
+        optim.suffixes.update(dict.fromkeys(fqns[start:end], tuple("." + n for n in names)))
+        at = stop
     if not all(map(optim.pg_idx.__contains__, state[0])):
         for index in (optim.pg_idx, optim.state_idx, optim.names, optim.suffixes):
             index.clear()
