@@ -766,11 +766,17 @@ def suggest_conversions(
     """
     if not missing or not unexpected:
         return ()
-    text = "\0".join(unexpected)  # one C-level search per literal, not one per key
+    # a preset can fit only if a rule's sources are among the unexpected keys and its
+    # targets among the missing ones: one C-level search per literal, not one per key
+    had, lacks = "\0".join(unexpected), "\0".join(missing)
     names = [
         name
         for name, rules in CONVERSION_PRESETS.items()
-        if any(t.literal.strip(".") in text for r in rules for t in _Rule(r, name).sources)
+        if any(
+            any(t.literal.strip(".") in had for t in _Rule(r, name).sources)
+            and any(t.literal.strip(".") in lacks for t in _targets(r))
+            for r in rules
+        )
     ]
     if not names:
         return ()
@@ -786,6 +792,15 @@ def suggest_conversions(
         if made and all(k in missing_set and _same_meta(converted[k], reference[k]) for k in made):
             found.append(name)
     return tuple(found)
+
+
+def _targets(record: Conversion) -> tuple[Template, ...]:
+    """The templates of what ``record`` makes."""
+    if isinstance(record, Split):
+        return record._targets
+    if isinstance(record, Transpose):
+        return (record._key,)
+    return (record._target,)
 
 
 def _meta(value: Any) -> Any:
