@@ -500,14 +500,19 @@ class _Allowed:
         }
 
 
-def _renamed_keys(view: Mapping[str, Any], rules: Any) -> list[str]:
-    """The checkpoint's keys after ``--rename``/``--strip-prefix``/``--preset``."""
-    if not rules:
+def _renamed_keys(view: Mapping[str, Any], rules: Any, convert: Any = None) -> list[str]:
+    """The checkpoint's keys after ``--rename``/``--strip-prefix``/``--preset``, ``--convert``."""
+    if not rules and not convert:
         return list(view)
+    from dsdmerge.convert import convert_checkpoint
     from dsdmerge.rename import rename_checkpoint
 
     try:
-        return list(rename_checkpoint(view, rules)[0])
+        renamed = rename_checkpoint(view, rules)[0] if rules else view
+        if not convert:
+            return list(renamed)
+        # (quiet: the diff or merge itself reported what converting warns about)
+        return list(convert_checkpoint(renamed, convert, stacklevel=2, quiet=True))
     except Exception:  # noqa: BLE001 - the diff or merge itself reports a bad rule
         return list(view)
 
@@ -544,10 +549,16 @@ def _diff(args: argparse.Namespace) -> int:
         progress.step("comparing")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", dm.DSDMergeWarning)
-            whole = dm.diff(ckpt, ref, rename=_rename_rules(args), values=not args.ignore_values)
+            whole = dm.diff(
+                ckpt,
+                ref,
+                rename=_rename_rules(args),
+                convert=_conversions(args),
+                values=not args.ignore_values,
+            )
         progress.done()
     _print_warnings(caught)
-    ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+    ckpt_keys = _renamed_keys(ckpt, _rename_rules(args), _conversions(args))
     unmatched = allowed.unmatched(ckpt_keys, list(ref))
     _warn_unmatched(unmatched, None)
     filters_unmatched = keep.unmatched([*ckpt_keys, *ref])
@@ -588,6 +599,8 @@ def _diff(args: argparse.Namespace) -> int:
             print(render(d, limit=args.limit, table=style.table, color=style.color))
             if d.renames:
                 print(f"to apply: {_rename_options(d.renames)}")
+            if d.conversions:
+                print(f"to convert: {' '.join(f'--convert {c}' for c in d.conversions)}")
             if ok_missing or ok_unexpected:
                 parts = [
                     f"{n:,} {what}"
@@ -709,6 +722,24 @@ def _add_rename_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_convert_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--convert",
+        action="append",
+        dest="conversions",
+        choices=_CONVERSION_NAMES,
+        metavar="PRESET",
+        help="convert the checkpoint's layout next (after renames), optimizer state included: "
+        + ", ".join(_CONVERSION_NAMES)
+        + " (see docs/conversions.md); repeatable, applied in order",
+    )
+
+
+def _conversions(args: argparse.Namespace) -> list[str] | None:
+    found: list[str] | None = getattr(args, "conversions", None)
+    return found or None
+
+
 def _rename_rules(args: argparse.Namespace) -> list[Any] | None:
     rules: list[Any] | None = getattr(args, "rename_rules", None)
     return rules or None
@@ -809,6 +840,7 @@ def _check(args: argparse.Namespace) -> int:
                     allow_missing=allowed.missing,
                     allow_unexpected=allowed.unexpected,
                     rename=rules,
+                    convert=_conversions(args),
                     on_shape_mismatch=shapes,
                 )
             except dm.MergeError as err:
@@ -824,6 +856,8 @@ def _check(args: argparse.Namespace) -> int:
     ]
     renamed = _renamed_pairs(ckpt, rules)
     ckpt_keys = [dict(renamed).get(k, k) for k in ckpt] if renamed else list(ckpt)
+    if _conversions(args):
+        ckpt_keys = _renamed_keys(ckpt, rules, _conversions(args))
     unmatched = allowed.unmatched(ckpt_keys, list(ref))
     ok_missing, _missing, ok_unexpected, _unexpected = allowed.split(d)
     accepted = not errors
@@ -918,6 +952,7 @@ def _merge(args: argparse.Namespace) -> int:
                     allow_missing=allowed.missing,
                     allow_unexpected=allowed.unexpected,
                     rename=_rename_rules(args),
+                    convert=_conversions(args),
                     on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
                 )
             except dm.MergeError as err:
@@ -927,7 +962,7 @@ def _merge(args: argparse.Namespace) -> int:
                 return EXIT_DIFFERS
         progress.done()
         _print_warnings(caught)
-        ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+        ckpt_keys = _renamed_keys(ckpt, _rename_rules(args), _conversions(args))
         _warn_unmatched(allowed.unmatched(ckpt_keys, list(ref)), None)
         result = merged.state_dict
         if ckpt_key:  # the whole checkpoint, its part at --ckpt-key merged
@@ -1675,6 +1710,8 @@ _PRESET_NAMES = (
 )
 """``--preset`` choices: the names of ``dsdmerge.RENAME_PRESETS``, spelled here so that
 building the parser imports nothing heavy (a test keeps the two equal)."""
+# dsdmerge.CONVERSION_PRESETS' names, spelled here so that building the parser imports no torch
+_CONVERSION_NAMES = ("qkv", "gate_up", "stack_experts", "stack_experts_w123", "transpose_experts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1832,6 +1869,7 @@ def build_parser() -> argparse.ArgumentParser:
         '({"key", "checkpoint", "reference"}), "allowed", and a compressed "summary"',
     )
     _add_rename_options(diff)
+    _add_convert_option(diff)
     diff.set_defaults(func=_diff)
 
     check = add(
@@ -1847,6 +1885,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy(check)
     allow(check, what="")
     _add_rename_options(check)
+    _add_convert_option(check)
     common(
         check,
         json_help='print JSON: "accepted", "errors", "warnings", and what the merge would '
@@ -1881,6 +1920,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy(merge)
     allow(merge, what="")
     _add_rename_options(merge)
+    _add_convert_option(merge)
     merge.add_argument(
         "--force",
         action="store_true",

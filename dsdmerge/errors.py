@@ -12,6 +12,7 @@ working::
     ├── InvalidPolicyError(DSDMergeError, ValueError)  a policy name, action or allow-list
     ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
     ├── RenameError(DSDMergeError, ValueError)         a bad rename rule, or two keys renamed to one
+    ├── ConversionError(DSDMergeError, ValueError)     a layout conversion that cannot apply
     └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
         └── UnsafeCheckpointError                      a pickle that would run code: refused
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointReadError",
+    "ConversionError",
     "DSDMergeError",
     "DSDMergeWarning",
     "InvalidPolicyError",
@@ -128,6 +130,37 @@ class RenameError(DSDMergeError, ValueError):
         super().__init__(message)
         self.keys = keys
         self.target = target
+
+
+class ConversionError(DSDMergeError, ValueError):
+    """A layout conversion that is not valid, or that cannot be applied to this state dict.
+
+    Raised by the conversion records (:class:`~dsdmerge.Fuse`, :class:`~dsdmerge.Split`,
+    ...) for a bad template or argument, and by :func:`~dsdmerge.convert` when a rule
+    matches nothing, finds only some of its sources, meets tensors it cannot combine,
+    or optimizer state or hyperparameters it cannot carry over. Nothing is converted
+    when it is raised: the input is never modified.
+
+    Attributes:
+        rule: The rule the error is about (a conversion record), or ``None``.
+        keys: The fqns (or keys) the error is about, in the order the message names them.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> try:
+        ...     dm.convert({"a.w": 1}, [dm.Transpose("b.w", dims=(0, 1))])
+        ... except dm.ConversionError as err:
+        ...     err.rule, err.keys
+        (Transpose('b.w', dims=(0, 1)), ())
+    """
+
+    rule: object
+    keys: tuple[str, ...]
+
+    def __init__(self, message: str, *, rule: object = None, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.keys = keys
 
 
 class CheckpointReadError(DSDMergeError, OSError):

@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 from dsdmerge._engine import run
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
+from dsdmerge.convert import Conversions, convert_checkpoint
 from dsdmerge.diff import KeyDiff, Mismatch, suggest
 from dsdmerge.errors import DSDMergeWarning, MergeError
 from dsdmerge.flatten import flatten, split_param_key
@@ -68,6 +69,7 @@ def merge(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> dict[Any, Any]:
@@ -93,6 +95,9 @@ def merge(
             :func:`~dsdmerge.rename`; a preset name such as ``"ddp"`` works); a
             rule that matches nothing is handled as ``policy.unmatched_rename``
             says (a warning, an error under ``"strict"``).
+        convert: Layout conversions applied to the checkpoint next, after
+            ``rename`` (see :func:`~dsdmerge.convert`: records and preset names such
+            as ``"qkv"``, in order); the optimizer state converts with the weights.
         on_shape_mismatch: For tensors whose shapes differ: ``"raise"`` (as the
             policy's ``shape`` action says; every built-in policy raises),
             ``"take_reference"`` (the reference's tensor, with a warning: the
@@ -126,6 +131,7 @@ def merge(
             the reference flat.
         StateDictTypeError: An argument is not a mapping.
         RenameError: A rename rule is not valid, or renames two keys to one.
+        ConversionError: A conversion cannot be applied (see :func:`~dsdmerge.convert`).
         InvalidPolicyError: A bad policy, allow-list or ``on_shape_mismatch``.
 
     Example:
@@ -145,6 +151,7 @@ def merge(
         allow_unexpected,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
     ).state_dict
@@ -159,6 +166,7 @@ def merge_with_diff(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
@@ -173,6 +181,7 @@ def merge_with_diff(
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
         rename: Rules applied to the checkpoint's fqns first (see :func:`merge`).
+        convert: Layout conversions applied next (see :func:`merge`).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (see :func:`merge`); the diff's ``resized`` lists what was resized.
         fresh: ``"reference"`` or ``"as_fresh"`` (see :func:`merge`).
@@ -194,6 +203,7 @@ def merge_with_diff(
         allow_unexpected,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
     )
@@ -208,6 +218,7 @@ def check(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Apply a policy to the differences without merging anything.
@@ -225,6 +236,8 @@ def check(
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
         rename: Rules applied to the checkpoint's fqns first (see :func:`merge`);
             a view is renamed without reading any tensor.
+        convert: Layout conversions applied next (see :func:`merge`); a view
+            converts by shape, without reading any tensor.
         on_shape_mismatch: As for :func:`merge`; ``"resize"`` is checked for
             ranks only (a view holds no tensors to resize).
 
@@ -242,7 +255,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     shapes = _shape_choice(on_shape_mismatch)
-    checkpoint, extra = _renamed(checkpoint, rename, pol)
+    checkpoint, extra = _renamed(checkpoint, rename, pol, convert=convert, stacklevel=3)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=True))
@@ -267,6 +280,7 @@ def _merge(
     *,
     stacklevel: int,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
@@ -283,6 +297,7 @@ def _merge(
         pol,
         stacklevel=stacklevel + 1,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
     )
@@ -295,6 +310,7 @@ def merge_resolved(
     *,
     stacklevel: int,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
 ) -> Merged:
@@ -307,7 +323,9 @@ def merge_resolved(
     """
     _fresh_choice(fresh)
     shapes = _shape_choice(on_shape_mismatch)
-    checkpoint, extra = _renamed(checkpoint, rename, policy)
+    checkpoint, extra = _renamed(
+        checkpoint, rename, policy, convert=convert, stacklevel=stacklevel + 1
+    )
     outcome = run(
         checkpoint,
         reference,
@@ -488,13 +506,26 @@ def _shape_choice(value: object) -> OnShapeMismatch:
 
 
 def _renamed(
-    checkpoint: Mapping[Any, Any], rules: Rules | None, policy: Policy
+    checkpoint: Mapping[Any, Any],
+    rules: Rules | None,
+    policy: Policy,
+    *,
+    convert: Conversions | None = None,
+    stacklevel: int = 2,
 ) -> tuple[Mapping[Any, Any], list[tuple[Action, str]]]:
-    """The checkpoint renamed by ``rules`` (if any), and the finding about unmatched rules."""
-    if rules is None:
-        return checkpoint, []
-    out, unmatched = rename_checkpoint(checkpoint, rules)
-    return out, ([(policy.unmatched_rename, unmatched)] if unmatched else [])
+    """The checkpoint renamed by ``rules``, then converted by ``convert`` (each if given).
+
+    Also the finding about rename rules that matched nothing. ``stacklevel`` is for the
+    conversion's warnings, as for ``warnings.warn`` counted from this function.
+    """
+    extra: list[tuple[Action, str]] = []
+    if rules is not None:
+        checkpoint, unmatched = rename_checkpoint(checkpoint, rules)
+        if unmatched:
+            extra.append((policy.unmatched_rename, unmatched))
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
+    return checkpoint, extra
 
 
 def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action, str]]:

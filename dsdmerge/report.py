@@ -670,6 +670,16 @@ def render(
             )
         )
         lines.extend(f"  {_rule_text(s)}" for s in diff.renames)
+    conversions = getattr(diff, "conversions", ())
+    if conversions:
+        lines.append(
+            _paint(
+                "unexpected keys look like another layout of missing ones (same shapes and "
+                f"dtypes once converted); convert={list(conversions)!r} would convert them",
+                "renamed",
+                color,
+            )
+        )
     if diff.resized:
         lines.append(
             _paint(
@@ -783,4 +793,6 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
             "patterns_not_shown": len(groups) - len(shown_groups),
         }
     out["renames"] = [s.to_dict() for s in diff.renames]
+    if getattr(diff, "conversions", ()):
+        out["conversions"] = list(diff.conversions)
     return out

@@ -33,6 +33,9 @@ LAYERS = [
     "dsdmerge.layout",
     # the records everything below the verbs produces
     "dsdmerge._records",
+    # layout conversions as data: key templates, the conversion records
+    "dsdmerge._templates",
+    "dsdmerge._conversions",
     # the engine, one module per concept
     "dsdmerge._trees",
     "dsdmerge._table",
@@ -48,6 +51,10 @@ LAYERS = [
     "dsdmerge.rename",
     "dsdmerge.resize",
     "dsdmerge.rekey",
+    # layout conversions: one parameter's values, then whole state dicts
+    "dsdmerge._convert_ops",
+    "dsdmerge._convert_parts",
+    "dsdmerge.convert",
     "dsdmerge.diff",
     "dsdmerge.merge",
     "dsdmerge.strategies",

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsdmerge._core import copy_tree, merge_under, reshaped, verdict
+from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+    from dsdmerge.convert import Conversions
     from dsdmerge.rename import Rules
 
 __all__ = [
@@ -104,6 +106,7 @@ def resume_optimizer(
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's optimizer state into ``optimizers``, merged over what they accept.
@@ -144,6 +147,11 @@ def resume_optimizer(
             :func:`dsdmerge.rename`; a preset name such as ``"ddp"`` works). An
             int-keyed ``loaded`` is keyed by fqns first when its groups carry
             torch's ``param_names``; otherwise rekey it with :func:`dsdmerge.rekey`.
+        convert: Layout conversions applied to the checkpoint next (see
+            :func:`dsdmerge.convert`: records and preset names such as ``"qkv"``):
+            moments, steps and hyperparameters of fused, split, stacked or
+            transposed parameters carry over, so that training continues exactly
+            (for elementwise optimizers). Int-keyed ``loaded`` needs ``param_names``.
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (the trained slice of each moment kept; see :func:`dsdmerge.merge`).
             Pass what you passed to :func:`resume_model`. Other than ``"raise"``,
@@ -182,6 +190,7 @@ def resume_optimizer(
         fresh,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
     _load(plan, model, options)
@@ -199,6 +208,7 @@ def backfill_optimizer_state(
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> dict[Any, Any]:
     """The state dict to pass to ``optimizer.load_state_dict``: ``loaded``, merged and checked.
@@ -235,6 +245,7 @@ def backfill_optimizer_state(
         allow_unexpected: Globs over flat keys the optimizer may lack.
         fresh: ``"as_fresh"`` or ``"reference"`` (see :func:`resume_optimizer`).
         rename: Rename rules for the checkpoint's fqns (see :func:`resume_optimizer`).
+        convert: Layout conversions applied next (see :func:`resume_optimizer`).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``.
 
     Returns:
@@ -275,6 +286,7 @@ def backfill_optimizer_state(
         fresh,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
     if container:
@@ -309,6 +321,7 @@ def _plan(
     *,
     stacklevel: int,  # as for warnings.warn, counted from here (1: _plan)
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> _Plan:
     require_mapping(loaded, "loaded")
@@ -328,6 +341,8 @@ def _plan(
                 "dsdmerge.rekey(loaded, old_model.named_parameters())"
             )
         checkpoint = dm_rename(checkpoint, rename, unmatched=pol.unmatched_rename)
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
     keyed = "id" if _id_keyed(checkpoint) else "fqn"
     if keyed == "fqn" and model is None:
         raise StateDictTypeError(
@@ -552,6 +567,7 @@ def resume_model(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's model state dict into ``model``, merged over its current state.
@@ -573,6 +589,8 @@ def resume_model(
         allow_unexpected: Globs over keys the model may lack.
         rename: Rename rules applied to the checkpoint's keys first (see
             :func:`dsdmerge.rename`; ``"ddp"``, ``"compile"``, ... presets work).
+        convert: Layout conversions applied next (see :func:`dsdmerge.convert`;
+            ``"qkv"``, ``"stack_experts"``, ... presets work).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"`` (a
             grown vocabulary keeps its trained rows; see :func:`dsdmerge.merge`).
 
@@ -607,7 +625,13 @@ def resume_model(
     opts = dataclasses.replace(options or StateDictOptions(), strict=True)
     reference = get_model_state_dict(model, options=opts)
     merged = merge_under(
-        loaded, reference, pol, stacklevel=2, rename=rename, on_shape_mismatch=on_shape_mismatch
+        loaded,
+        reference,
+        pol,
+        stacklevel=2,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
     )
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
