@@ -159,11 +159,10 @@ def _torch(
     kwargs: Mapping[str, Any] | None = None,
     **spec: Any,
 ) -> Spec:
-    cls = getattr(torch.optim, name)
     extra = dict(kwargs or {})
     return Spec(
         id=f"torch.{name}" + (f"-{variant}" if variant else ""),
-        make=lambda groups: cls(groups, **extra),
+        make=lambda groups: getattr(torch.optim, name)(groups, **extra),
         cls=name,
         **spec,
     )
@@ -196,7 +195,7 @@ def _heavyball_eager(monkeypatch: Any) -> None:
     monkeypatch.setattr(heavyball.utils, "compile_mode_recommended_to_none", None)
 
 
-TORCH_SPECS: tuple[Spec, ...] = (
+_ALL_TORCH_SPECS: tuple[Spec, ...] = (
     _torch("ASGD"),
     _torch("Adadelta", lr=1.0),
     _torch("Adafactor"),
@@ -236,6 +235,9 @@ TORCH_SPECS: tuple[Spec, ...] = (
         note="sparse gradients only: every module is an nn.Embedding(sparse=True)",
     ),
 )
+
+# the optimizers of the installed torch (Adafactor since torch 2.5, Muon since 2.9)
+TORCH_SPECS = tuple(s for s in _ALL_TORCH_SPECS if hasattr(torch.optim, s.cls))
 
 THIRD_PARTY_SPECS: tuple[Spec, ...] = (
     # pytorch-optimizer: a spread of state shapes

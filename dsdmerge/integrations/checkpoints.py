@@ -1348,6 +1348,14 @@ def _dcp_load(where: str, *, trusted: Trust, storage_reader: Any = None) -> dict
     if os.path.isdir(where):
         _check_storage(where, metadata, strict=storage_reader is None)
     _check_claimed_bytes(where, metadata)
+    paths = _dcp_paths(metadata)
+    _check_nesting_cost(where, paths)
+    if max(map(len, paths.values()), default=0) > _MAX_LOAD_DEPTH:
+        raise CheckpointReadError(
+            f"{where}: {_METADATA_FILE} records values nested more than {_MAX_LOAD_DEPTH} deep, "
+            "deeper than DCP's own loader (which recurses per level) reads; corrupt or crafted",
+            path=where,
+        )
 
     def make(key: str, path: tuple[Any, ...], md: Any) -> Any:
         if isinstance(md, TensorStorageMetadata):
@@ -1366,6 +1374,9 @@ def _dcp_load(where: str, *, trusted: Trust, storage_reader: Any = None) -> dict
     )
     return root
 
+
+_MAX_LOAD_DEPTH: Final = 256
+"""The deepest nesting :func:`load_checkpoint` hands to DCP's (recursive) loader."""
 
 _MAX_EXPANSION: Final = 64
 """How much larger than their stored bytes transformed (compressed) tensors may claim to be."""
@@ -1433,8 +1444,8 @@ def run_dcp_load(
             loaded = _load_bytes_entry(where, fqn, value, trusted=trusted)
             if self.flatten_state_dict:
                 _set_element(self.original_state_dict, tuple(self.mappings[fqn]), loaded)
-            else:
-                self.state_dict[fqn] = loaded
+            else:  # the planner's own state_dict may be a copy (flatten_sharded_tensors)
+                self.original_state_dict[fqn] = self.state_dict[fqn] = loaded
 
     if os.path.isdir(where):
         _check_storage(where, metadata, strict=storage_reader is None)
