@@ -76,7 +76,11 @@ from typing import Any, Final
 import torch
 
 from dsdmerge._gc import gc_paused
-from dsdmerge._torch_api import TENSOR_PROPERTIES_BASE, tensor_properties_fields
+from dsdmerge._torch_api import (
+    TENSOR_PROPERTIES_BASE,
+    storage_info_class,
+    tensor_properties_fields,
+)
 from dsdmerge.errors import CheckpointReadError, UnsafeCheckpointError
 
 __all__ = ["MAX_DIMS", "MAX_TUPLE", "load_metadata"]
@@ -675,7 +679,8 @@ def _six(state: tuple[Any, ...]) -> bool:
 def _convert(root: Any, *, budget: int, trusted: frozenset[type[_Trusted]] = frozenset()) -> Any:
     """Validate the stand-in tree and turn it into DCP's real classes (layer 4)."""
     from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as RealStorageInfo
+
+    RealStorageInfo = storage_info_class()
 
     if type(root) is not _Metadata:
         raise _NotMetadata(type(root).__name__.lstrip("_"))
