@@ -15,11 +15,13 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import hostile_files as hf
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import Evil, dcp_save
 
 import dsdmerge as dm
@@ -979,3 +981,30 @@ def test_a_remote_checkpoint_needs_trust_to_let_its_reader_read_the_metadata(tmp
     assert view["w"] == dm.TensorMeta((3,), torch.float32)
     loaded = load_checkpoint("s3://bucket/ckpt", storage_reader=reader, trusted=True)
     assert torch.equal(loaded["w"], torch.arange(3.0))
+
+
+def test_a_real_olmo_core_checkpoint_reads_with_its_storage_class_and_reader(tmp_path):
+    fs = pytest.importorskip("olmo_core.distributed.checkpoint.filesystem")
+    name = "olmo_core.distributed.checkpoint.filesystem._StorageInfo"
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    sd = {"model": model.state_dict(), "optim": adam.state_dict()}
+    ckpt = tmp_path / "model_and_optim"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=fs.RemoteFileSystemWriter(str(ckpt), thread_count=1))
+    with pytest.raises(dm.UnsafeCheckpointError, match=name.replace(".", r"\.")):
+        read_metadata(ckpt)
+    view = read_metadata(ckpt, trusted=[name], storage_reader=fs.RemoteFileSystemReader(ckpt))
+    assert view["model.weight"] == dm.TensorMeta((2, 3), torch.float32)
+    assert view["optim.state.0.exp_avg"] == dm.TensorMeta((2, 3), torch.float32)
+    loaded = load_checkpoint(
+        ckpt, trusted=[name], storage_reader=fs.RemoteFileSystemReader(ckpt, thread_count=1)
+    )
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+    assert torch.equal(
+        loaded["optim"]["state"]["0"]["exp_avg"], adam.state[model.weight]["exp_avg"]
+    )
+    assert loaded["optim"]["param_groups"][0]["params"] == [0, 1]

@@ -1534,7 +1534,14 @@ def _safe_reader(where: str, metadata: Any, storage_reader: Any) -> Any:
         def set_up_storage_reader(
             self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
         ) -> None:
-            inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            # DCP passes rank= and use_collectives= only to readers whose method takes
+            # **kwargs (it inspects the signature); the wrapped reader's own may not
+            import inspect
+
+            takes = "kwargs" in inspect.signature(inner.set_up_storage_reader).parameters
+            inner.set_up_storage_reader(
+                metadata, is_coordinator, *args, **(kwargs if takes else {})
+            )
 
         def prepare_local_plan(self, plan: Any) -> Any:
             return inner.prepare_local_plan(plan)
