@@ -72,3 +72,25 @@ def test_every_private_api_has_its_answer_on_this_torch():
     assert ("strides" in fields) == (_torch_api.torch_version() >= (2, 15))
     assert "torch.Size" in _torch_api.weights_only_allowed_globals()
     assert _torch_api.get_fqns(torch.nn.Linear(1, 1), "weight") == {"weight"}
+
+
+def test_the_floor_is_the_same_everywhere():
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = PACKAGE.parent
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in deps if d.startswith("torch"))
+    assert floor == "torch>={}.{}".format(*_torch_api.MIN_TORCH), floor
+    matrix = (root / ".ci" / "torch-matrix").read_text()
+    releases = re.search(r"^ALL=\((.*)\)$", matrix, re.M).group(1).split()
+    minors = [tuple(map(int, r.split(".")[:2])) for r in releases]
+    assert minors[0] == _torch_api.MIN_TORCH, releases
+    assert minors == sorted(set(minors)), "one release per minor, oldest first"
+    corpus = sorted(
+        tuple(map(int, p.name.removeprefix("torch-").split(".")))
+        for p in (root / "tests" / "corpus").glob("torch-*")
+    )
+    assert minors[-1] == corpus[-1], (releases, corpus)
+    assert "bash .ci/torch-matrix --ends" in (root / ".ci" / "run").read_text()
