@@ -114,10 +114,11 @@ def same(a: Any, b: Any, where: str = "") -> None:
 
 
 def test_the_corpus_covers_the_oldest_and_the_newest_supported_torch():
+    # (files from older releases stay: the installed torch must still read them)
     from dsdmerge._torch_api import MIN_TORCH
 
     releases = [release_of(r) for r in RELEASES]
-    assert min(releases) == MIN_TORCH, RELEASES
+    assert MIN_TORCH in releases, RELEASES
     assert max(releases) >= (2, 15), RELEASES
     for release in RELEASES:
         assert manifest(release)["torch"].startswith(release.removeprefix("torch-")), release

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import Evil, dcp_save
 
 import dsdmerge as dm
-from dsdmerge import cli
+from dsdmerge import _torch_api, cli
 from dsdmerge.integrations import CheckpointView, detect_format, load_checkpoint, read_metadata
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
 
@@ -1008,3 +1008,28 @@ def test_a_real_olmo_core_checkpoint_reads_with_its_storage_class_and_reader(tmp
         loaded["optim"]["state"]["0"]["exp_avg"], adam.state[model.weight]["exp_avg"]
     )
     assert loaded["optim"]["param_groups"][0]["params"] == [0, 1]
+
+
+@pytest.mark.skipif(
+    "strides" not in _torch_api.tensor_properties_fields(),
+    reason="TensorProperties has strides since torch 2.15",
+)
+def test_a_strides_tuple_shared_between_tensors_reads_as_torch_reads_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"a": torch.ones(2, 3), "b": torch.zeros(2, 3)}, ckpt)
+
+    def edit(md):  # one tuple object for both (a writer that copies properties shares it)
+        shared = md.state_dict_metadata["a"].properties.strides
+        md.state_dict_metadata["b"].properties.strides = shared
+
+    hf.edit_metadata(ckpt, edit)
+    data = (ckpt / ".metadata").read_bytes()
+    assert data.count(b"\x86\x94t\x94b") == 1  # pickled once, fetched from the memo after
+    _view, md = read_dcp_metadata(str(ckpt), trusted=False)
+    assert md == pickle.loads(data)
+    assert md.state_dict_metadata["b"].properties.strides == (3, 1)
+    # a fetched tuple that holds more than ints is still refused
+    evil = data.replace(b"K\x03K\x01\x86\x94t\x94b", b"K\x03)\x86\x94t\x94b", 1)
+    (ckpt / ".metadata").write_bytes(evil)
+    with pytest.raises(dm.CheckpointReadError):
+        read_metadata(ckpt)

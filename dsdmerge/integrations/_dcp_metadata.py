@@ -274,11 +274,15 @@ def _frames(data: bytes) -> int:
     return count
 
 
-def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
+def _rewrite(pieces: list[bytes], *, frames: int = -2, careful: bool = False) -> tuple[bytes, int]:
     """The stream with container memo slots poisoned and FRAMEs dropped; its tuple count.
 
     Also the grammar check of layer 1 for each piece: a token the grammar refuses
     leaves bytes between two matches, and :class:`_Misaligned` is raised.
+    ``careful``: a ``TensorProperties`` strides tuple made of ints only keeps its memo
+    slot (a writer may share one tuple between tensors; a flat tuple of ints cannot
+    nest, so sharing it costs nothing). Tried only when the fast pass found a fetched
+    strides tuple, since it tokenizes the run before each strides tuple in Python.
     """
     out: list[bytes] = [pieces[0]]
     tuples = frame_events = 0
@@ -301,6 +305,8 @@ def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
         joined[1::2] = map(
             _POISON_TUPLE.get, tuple_ops, map(_POISON_OTHER.__getitem__, parts[3::6])
         )
+        if careful:
+            _keep_int_strides(joined, parts[1::6], tuple_ops)
         del parts
         out.append(b"".join(joined))
     if frames >= 0 and frame_events != frames:
@@ -308,6 +314,38 @@ def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
         # reader fails on such a stream, so this one refuses it too
         raise _Bad("its frames do not follow its opcodes")
     return b"".join(out), tuples
+
+
+_INT_TOKEN: Final = re.compile(rb"K.|M..|J.{4}|\x8a.*", re.DOTALL)
+_STRIDES_ARITY: Final = {b"\x85": 1, b"\x86": 2, b"\x87": 3}
+
+
+def _keep_int_strides(joined: list[bytes], runs: list[bytes], ops: list[Any]) -> None:
+    """Unpoison each tuple that ends a BUILD state (``... strides) BUILD``) and holds ints only.
+
+    A strides tuple is the tuple event right before the state tuple's own ``t`` event
+    (whose run is empty) and the ``b`` that starts the run after it. Its elements are
+    the last tokens of its run (the run starts at an event, so it is token-aligned):
+    ``n`` of them for TUPLE1-3, all after the run's last MARK for TUPLE.
+    """
+    for i in range(len(ops) - 2):
+        op = ops[i]
+        if op is None or ops[i + 1] != b"t" or runs[i + 1] or not runs[i + 2].startswith(b"b"):
+            continue
+        tokens = _TOKEN_RE.findall(runs[i])
+        if op == b"t":
+            if b"(" not in tokens:
+                continue
+            items = tokens[len(tokens) - tokens[::-1].index(b"(") :]
+        else:
+            n = _STRIDES_ARITY[op]
+            items = tokens[-n:] if len(tokens) >= n else [b""]
+        if all(map(_INT_TOKEN.fullmatch, items)):
+            joined[2 * i + 1] = op + b"\x94"
+
+
+class _SharedStrides(Exception):
+    """A ``TensorProperties`` strides tuple was fetched from the memo (read carefully)."""
 
 
 class _Misaligned(Exception):
@@ -659,6 +697,8 @@ def _properties(states: list[Any]) -> tuple[tuple[str, ...], list[Any]]:
             f"{list(fields)}, which this version of dsdmerge does not know; upgrade dsdmerge"
         )
     strides = list(map(operator.itemgetter(5), filter(_six, states)))
+    if False in strides:  # a poisoned slot: a strides tuple the writer shared
+        raise _SharedStrides
     _all_of(strides, frozenset({tuple, type(None)}), "tensor properties' strides")
     given = list(filter(None, strides))
     if max(map(len, given), default=0) > MAX_DIMS:
@@ -907,10 +947,21 @@ def load_metadata(data: bytes, *, where: str, trusted: Mapping[str, type] | None
         except _Misaligned:
             stream, tuples = _rewrite(_scan(data), frames=_frames(data))
         stand_ins = _trusted_stand_ins(trusted or {})
+        classes = frozenset(stand_ins.values())
         with gc_paused():
             root = _load_deep(stream, tuples, stand_ins)
             del stream
-            return _convert(root, budget=len(data), trusted=frozenset(stand_ins.values()))
+            try:
+                return _convert(root, budget=len(data), trusted=classes)
+            except _SharedStrides:
+                del root
+            stream, tuples = _rewrite(_scan(data), frames=_frames(data), careful=True)
+            root = _load_deep(stream, tuples, stand_ins)
+            del stream
+            try:
+                return _convert(root, budget=len(data), trusted=classes)
+            except _SharedStrides:
+                raise _Bad("a tensor's strides are a fetched tuple that is not only ints") from None
     except _Refused as err:
         raise UnsafeCheckpointError(
             f"{where}: refused to unpickle: it uses {err}, which DCP metadata never holds "
