@@ -2,26 +2,29 @@
 
 The rule: no other module names a private torch attribute (``torch.x._y``) or tests
 the torch version; they call the functions here. Each entry says which torch
-releases have it, and what dsdmerge does where they do not: a fallback to an older
-spelling of the same thing, or a :class:`~dsdmerge.errors.DSDMergeError` naming the
-torch release that has it. The supported range is ``MIN_TORCH`` to the newest
+releases have it, and what dsdmerge does where they do not (a clear
+:class:`TorchAPIError`). The supported range is :data:`MIN_TORCH` to the newest
 release in ``tests/corpus/`` (one directory per release, read by
 ``tests/test_corpus.py`` on every torch the test matrix runs).
 
+The floor is torch 2.10: before it, DSD's ``set_optimizer_state_dict`` refuses a
+flattened optimizer state dict that holds no state for some parameter (a ``KeyError``
+on a parameter that never got a gradient), which is what a merge keeps, and its
+``get_optimizer_state_dict`` cannot flatten nested state (Shampoo-like optimizers).
+
 =====================================  ==========  ==========================================
-torch API                              releases    without it
+torch API                              releases    used for
 =====================================  ==========  ==========================================
-``dcp.load/save(no_dist=)``            >= 2.7      ``state_dict_loader._load_state_dict`` /
-                                                   ``state_dict_saver._save_state_dict``
-``serialization.safe_globals``         >= 2.5      ``add_safe_globals``, then restores the
-                                                   list it found (``get_safe_globals``)
-``get_unsafe_globals_in_checkpoint``   >= 2.5      ``None``: the error lists no names
-``_weights_only_unpickler`` allow-     >= 2.4      an empty set: the error lists every
-list (``_get_allowed_globals``)                    global of the pickle
-``state_dict._get_fqns``               >= 2.4      a clear error (never missing since 2.4)
-``_dynamo.eval_frame.OptimizedModule`` >= 2.0      no compiled-module prefix handling
-``filesystem._StorageInfo``            >= 2.0      a clear error
-``TensorProperties`` pickled state     5 fields;   a state with more fields than the
+``dcp.load/save(no_dist=)``            >= 2.7      loads and writes without collectives
+``serialization.safe_globals``         >= 2.5      ``trusted=[names]`` for torch files
+``get_unsafe_globals_in_checkpoint``   >= 2.5      listing what a refused file needs
+``_weights_only_unpickler`` allow-     >= 2.4      the same for a legacy (non-zip) file;
+list (``_get_allowed_globals``)                    an empty set if it is missing
+``state_dict._get_fqns``               >= 2.4      DSD's own parameter names
+``_dynamo.eval_frame.OptimizedModule`` >= 2.0      ``torch.compile``'s ``_orig_mod.`` prefix
+                                                   (None if ``torch._dynamo`` fails to import)
+``filesystem._StorageInfo``            >= 2.0      DCP's storage entries in ``.metadata``
+``TensorProperties`` pickled state     5 fields,   a state with more fields than the
                                        6 (with     installed torch knows is refused, as
                                        ``strides``) torch's own ``pickle.load`` fails on it
                                        >= 2.15
@@ -44,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
@@ -66,7 +68,7 @@ __all__ = [
     "weights_only_allowed_globals",
 ]
 
-MIN_TORCH: Final = (2, 4)
+MIN_TORCH: Final = (2, 10)
 """The oldest torch release dsdmerge supports (``pyproject.toml`` says the same)."""
 
 TENSOR_PROPERTIES_BASE: Final = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
@@ -119,11 +121,6 @@ def storage_info_class() -> type:
     return _StorageInfo
 
 
-@functools.cache
-def _takes_no_dist(fn: Any) -> bool:
-    return "no_dist" in inspect.signature(fn).parameters
-
-
 def dcp_load(
     state_dict: Any,
     /,
@@ -133,7 +130,7 @@ def dcp_load(
     process_group: Any = None,
     no_dist: bool,
 ) -> None:
-    """``dcp.load`` with ``no_dist`` (torch >= 2.7), or its private core on older torch.
+    """``dcp.load`` with ``no_dist``: in this process only, even if a process group exists.
 
     Example:
         >>> import tempfile, warnings, torch
@@ -151,36 +148,17 @@ def dcp_load(
     """
     from torch.distributed.checkpoint import state_dict_loader
 
-    if _takes_no_dist(state_dict_loader.load):
-        state_dict_loader.load(
-            state_dict,
-            storage_reader=storage_reader,
-            planner=planner,
-            process_group=process_group,
-            no_dist=no_dist,
-        )
-        return
-    # torch 2.4-2.6: load() decides no_dist itself (from is_initialized()); the private
-    # _load_state_dict takes it, with the same meaning. What load() does around it for
-    # Stateful values is done the same way here.
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
-    state_dict_loader._load_state_dict(
-        plain,
+    state_dict_loader.load(
+        state_dict,
         storage_reader=storage_reader,
-        process_group=process_group,
         planner=planner,
+        process_group=process_group,
         no_dist=no_dist,
     )
-    for key, value in plain.items():
-        if isinstance(state_dict[key], Stateful):
-            state_dict[key].load_state_dict(value)
-        state_dict[key] = value
 
 
 def dcp_save(state_dict: Any, /, *, storage_writer: Any, no_dist: bool) -> None:
-    """``dcp.save`` with ``no_dist`` (torch >= 2.7), or its private core on older torch.
+    """``dcp.save`` with ``no_dist``: in this process only, even if a process group exists.
 
     Example:
         >>> import tempfile, os, torch
@@ -197,15 +175,7 @@ def dcp_save(state_dict: Any, /, *, storage_writer: Any, no_dist: bool) -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*intent is to save in a single process")
-        if _takes_no_dist(state_dict_saver.save):
-            state_dict_saver.save(state_dict, storage_writer=storage_writer, no_dist=no_dist)
-            return
-        from torch.distributed.checkpoint.stateful import Stateful
-
-        plain = {
-            k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()
-        }
-        state_dict_saver._save_state_dict(plain, storage_writer=storage_writer, no_dist=no_dist)
+        state_dict_saver.save(state_dict, storage_writer=storage_writer, no_dist=no_dist)
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()
@@ -213,7 +183,7 @@ _SAFE_GLOBALS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def safe_globals(objects: Sequence[Any]) -> Iterator[None]:
-    """``torch.serialization.safe_globals(objects)`` (torch >= 2.5), emulated on 2.4.
+    """``torch.serialization.safe_globals(objects)``, one load at a time.
 
     Serialized by a lock: torch keeps the list in a module global, so two loads with
     different lists in two threads would see each other's otherwise.
@@ -230,35 +200,24 @@ def safe_globals(objects: Sequence[Any]) -> Iterator[None]:
     """
     import torch.serialization as ser
 
-    with _SAFE_GLOBALS_LOCK:
-        if hasattr(ser, "safe_globals"):
-            with ser.safe_globals(list(objects)):
-                yield
-            return
-        before = list(ser.get_safe_globals())
-        ser.add_safe_globals(list(objects))
-        try:
-            yield
-        finally:
-            ser.clear_safe_globals()
-            ser.add_safe_globals(before)
+    with _SAFE_GLOBALS_LOCK, ser.safe_globals(list(objects)):
+        yield
 
 
-def unsafe_globals_in_checkpoint(file: str) -> list[str] | None:
-    """The globals of a torch zip file that ``weights_only`` refuses (torch >= 2.5), else None.
+def unsafe_globals_in_checkpoint(file: str) -> list[str]:
+    """The globals of a torch zip file that ``weights_only`` refuses.
 
     Example:
         >>> import tempfile, torch
         >>> from dsdmerge._torch_api import unsafe_globals_in_checkpoint
         >>> with tempfile.NamedTemporaryFile(suffix=".pt") as f:
         ...     torch.save({"w": torch.zeros(1)}, f.name)
-        ...     unsafe_globals_in_checkpoint(f.name) in ([], None)
-        True
+        ...     unsafe_globals_in_checkpoint(f.name)
+        []
     """
     import torch.serialization as ser
 
-    find = getattr(ser, "get_unsafe_globals_in_checkpoint", None)
-    return None if find is None else sorted(find(file))
+    return sorted(ser.get_unsafe_globals_in_checkpoint(file))
 
 
 def weights_only_allowed_globals() -> set[str]:

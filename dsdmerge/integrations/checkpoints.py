@@ -686,18 +686,9 @@ def _unsafe_globals(file: str, trusted: Trust) -> list[str]:
             with open(file, "rb") as f:
                 zipped = f.read(4) == _ZIP_MAGIC
             if zipped:
-                listed = _torch_api.unsafe_globals_in_checkpoint(file)
-                if listed is not None:
-                    return listed
-                import zipfile  # torch < 2.5: the archive's pickle, scanned here
-
-                with zipfile.ZipFile(file) as archive:
-                    member = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-                    with archive.open(member) as f:
-                        data = f.read(_MAX_GLOBAL_SCAN)
-            else:
-                with open(file, "rb") as f:
-                    data = f.read(_MAX_GLOBAL_SCAN)
+                return _torch_api.unsafe_globals_in_checkpoint(file)
+            with open(file, "rb") as f:
+                data = f.read(_MAX_GLOBAL_SCAN)
             allowed = _torch_api.weights_only_allowed_globals()
             return sorted(g for g in _pickle_globals(data) if g not in allowed)
     except Exception:  # noqa: BLE001 - a listing is a courtesy; the refusal stands
