@@ -1013,7 +1013,10 @@ def _dcp_entries(
     paths = _dcp_paths(metadata)
     sdm = metadata.state_dict_metadata
     keys = list(paths)
-    params = [key for key, path in paths.items() if _is_params_entry(path)]
+    # only paths ending in "params" can be (found in C; a Python call per key costs more)
+    lasts = map(operator.itemgetter(-1), paths.values())
+    maybe = itertools.compress(keys, map(operator.eq, lasts, itertools.repeat("params")))
+    params = [key for key in maybe if _is_params_entry(paths[key])]
     values = _read_params(where, metadata, params, trusted=trusted, storage_reader=storage_reader)
     # TensorMetas built column by column in C (a Python call per key would cost more than
     # the rest of the view at DeepSeek-V3 scale): frozen dataclass fields set with
