@@ -1315,6 +1315,7 @@ def _read_bytes_through(
         no_dist=True,
         storage_reader=storage_reader,
         flat=True,
+        checked=True,  # the entries it reads (these keys only) were checked by the caller
     )
     return target
 
