@@ -29,11 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch < 2.6: not public yet
-    from torch.distributed._composable.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dsdmerge as dm

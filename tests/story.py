@@ -159,10 +159,11 @@ def _torch(
     kwargs: Mapping[str, Any] | None = None,
     **spec: Any,
 ) -> Spec:
+    cls = getattr(torch.optim, name)
     extra = dict(kwargs or {})
     return Spec(
         id=f"torch.{name}" + (f"-{variant}" if variant else ""),
-        make=lambda groups: getattr(torch.optim, name)(groups, **extra),
+        make=lambda groups: cls(groups, **extra),
         cls=name,
         **spec,
     )
@@ -195,7 +196,7 @@ def _heavyball_eager(monkeypatch: Any) -> None:
     monkeypatch.setattr(heavyball.utils, "compile_mode_recommended_to_none", None)
 
 
-_ALL_TORCH_SPECS: tuple[Spec, ...] = (
+TORCH_SPECS: tuple[Spec, ...] = (
     _torch("ASGD"),
     _torch("Adadelta", lr=1.0),
     _torch("Adafactor"),
@@ -235,9 +236,6 @@ _ALL_TORCH_SPECS: tuple[Spec, ...] = (
         note="sparse gradients only: every module is an nn.Embedding(sparse=True)",
     ),
 )
-
-# the optimizers of the installed torch (Adafactor since torch 2.5, Muon since 2.9)
-TORCH_SPECS = tuple(s for s in _ALL_TORCH_SPECS if hasattr(torch.optim, s.cls))
 
 THIRD_PARTY_SPECS: tuple[Spec, ...] = (
     # pytorch-optimizer: a spread of state shapes
