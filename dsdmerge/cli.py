@@ -1441,12 +1441,13 @@ def _write_hf(state_dict: Mapping[str, Any], tmp: Path, plan: HFPlan | None) -> 
 def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from dsdmerge._torch_api import dcp_save
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-            save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+            dcp_save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
     except CheckpointException as err:  # a BaseException: would escape `except Exception`
         cause: BaseException = err
         for pair in getattr(err, "failures", {}).values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import pickle
 import struct
@@ -252,7 +253,10 @@ def _synth_valid() -> bytes:
     sdm["step"] = BytesStorageMetadata()
     storage[MetadataIndex("step")] = _StorageInfo("__0_0.distcp", 0, 4)
     planner["step"] = ("step",)
-    return pickle.dumps(Metadata(sdm, planner, storage, None, "1.0.0"), protocol=4)
+    md = Metadata(sdm, planner_data=planner, storage_data=storage)
+    if hasattr(md, "version"):  # torch >= 2.7 records a metadata version
+        md.version = "1.0.0"
+    return pickle.dumps(md, protocol=4)
 
 
 class _Case:
@@ -267,6 +271,8 @@ class _Case:
 
 
 class MetadataCase(_Case):
+    overlap = False  # storage entries whose byte ranges overlap: every load must refuse
+
     def write(self, where: Path) -> Path:
         target = Path(tempfile.mkdtemp(dir=where))
         for name, blob in _real_dcp()[1].items():
@@ -281,12 +287,54 @@ class MetadataCase(_Case):
         ours = read_dcp_metadata(str(path), trusted=False)[1]
         theirs = pickle.loads(self.data)
         assert ours == theirs, f"{self!r}: the safe reader's Metadata differs from pickle's"
+        if self.overlap:
+            import dsdmerge as dm
+            from dsdmerge.integrations import load_checkpoint
+
+            try:
+                load_checkpoint(path)
+            except dm.CheckpointReadError as err:
+                if "overlap" not in str(err):
+                    raise AssertionError(f"{self!r}: refused, not for the overlap: {err}") from err
+            else:
+                raise AssertionError(f"{self!r}: overlapping storage entries were loaded")
+
+
+def _overlaps(ranges: list[tuple[str, int, int]]) -> bool:
+    spans = sorted((rel, o, o + n) for rel, o, n in ranges if n)
+    return any(a[0] == b[0] and a[2] > b[1] for a, b in itertools.pairwise(spans))
+
+
+@st.composite
+def _storage_ranges(draw: st.DrawFn) -> MetadataCase:
+    """The real checkpoint with some storage entries moved: overlapping or not, in range or
+    past the end of the data file."""
+    real, files = _real_dcp()
+    md = pickle.loads(real)  # the test's own file
+    size = len(files["__0_0.distcp"])
+    infos = list(md.storage_data.values())
+    for info in draw(st.lists(st.sampled_from(infos), min_size=1, max_size=len(infos))):
+        if draw(st.booleans()):  # onto another entry's bytes, whole or in part
+            other = draw(st.sampled_from(infos))
+            info.offset = other.offset + draw(st.integers(0, max(other.length - 1, 0)))
+            info.length = draw(st.integers(0, other.length + 8))
+        else:
+            info.offset = draw(st.integers(0, size + 4))
+            info.length = draw(st.integers(0, size + 4))
+    case = MetadataCase(".metadata", pickle.dumps(md, protocol=4), "ranges")
+    in_file = all(i.offset + i.length <= size for i in infos)
+    case.overlap = in_file and _overlaps([(i.relative_path, i.offset, i.length) for i in infos])
+    return case
 
 
 @st.composite
 def metadata_files(draw: st.DrawFn) -> MetadataCase:
     real, _ = _real_dcp()
-    how = draw(st.sampled_from(["valid", "rename", "flip", "splice", "cut", "synth", "wrap"]))
+    how = draw(
+        st.sampled_from(["valid", "rename", "flip", "splice", "cut", "synth", "wrap", "ranges"])
+    )
+    if how == "ranges":  # storage entries moved onto each other's bytes (or not)
+        return draw(_storage_ranges())
     if how == "valid":  # DCP's own file, or one written the way DCP writes them
         return MetadataCase(".metadata", draw(st.sampled_from([real, _synth_valid()])), how)
     if how == "rename":  # a key renamed in place: still valid, and the view must follow

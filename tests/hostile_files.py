@@ -220,6 +220,73 @@ def edit_metadata(path: Path, edit: Any) -> None:
         pickle.dump(md, f)
 
 
+def overlapping_tensors(path: Path, count: int, numel: int = 1 << 16) -> Path:
+    """A DCP checkpoint of one ``numel``-float tensor and ``count - 1`` more whose storage
+    entries all point at its bytes (each ~100 bytes of ``.metadata``)."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    dcp_checkpoint(path, {"w0": torch.ones(numel)})
+
+    def edit(md: Any) -> None:
+        ((index, info),) = md.storage_data.items()
+        for k in range(1, count):
+            key = f"w{k}"
+            md.state_dict_metadata[key] = copy.deepcopy(md.state_dict_metadata["w0"])
+            md.planner_data[key] = (key,)
+            md.storage_data[MetadataIndex(key, index.offset, index.index)] = info
+
+    edit_metadata(path, edit)
+    return path
+
+
+def overlapping_params(path: Path, count: int, ids: int = 1 << 17) -> Path:
+    """A nested optimizer checkpoint whose ``count`` param groups' ``params`` entries all
+    point at one region: a list of ``ids`` parameter ids (~4 bytes each)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    osd = {"state": {}, "param_groups": [{"lr": 0.1, "params": list(range(ids))}]}
+    dcp_checkpoint(path, {"optim": osd})
+
+    def edit(md: Any) -> None:
+        info = next(v for k, v in md.storage_data.items() if k.fqn.endswith("params"))
+        for g in range(1, count):
+            key = f"optim.param_groups.{g}.params"
+            md.state_dict_metadata[key] = BytesStorageMetadata()
+            md.planner_data[key] = ("optim", "param_groups", g, "params")
+            md.storage_data[MetadataIndex(key)] = info
+
+    edit_metadata(path, edit)
+    return path
+
+
+def deep_path(depth: int, keys: int = 1) -> bytes:
+    """A valid ``Metadata`` whose ``keys`` bytes entries sit ``depth`` dicts deep: each
+    path is ``("a",) * depth + ("k<i>",)`` (one memoized ``"a"``, two bytes per part) and
+    each key the path joined with dots, as DCP writes it."""
+    entries = []
+    planner = []
+    for n in range(keys):
+        key = ".".join(["a"] * depth + [f"k{n}"])
+        entries.append(s(key) + bytes_entry())
+        first = s("a") + MEMO if n == 0 else get(0)  # memo 0: the first "a"
+        planner.append(s(key) + MARK + first + get(0) * (depth - 1) + s(f"k{n}") + TUPLE + MEMO)
+    return (
+        PROTO4
+        + record(
+            "Metadata",
+            {
+                "state_dict_metadata": EMPTY_DICT + MARK + b"".join(entries) + SETITEMS,
+                "planner_data": EMPTY_DICT + MARK + b"".join(planner) + SETITEMS,
+                "storage_data": NONE,
+            },
+        )
+        + STOP
+    )
+
+
 # -- safetensors headers -------------------------------------------------------------------
 
 

@@ -62,3 +62,4 @@ def test_the_read_benchmark_compares_the_safe_reader_with_pickle_load():
         "dsdmerge read_metadata",
     }
     assert "| safe read / torch pickle.load |" in module.report(result)
+    assert "| whole view / torch pickle.load |" in module.report(result)

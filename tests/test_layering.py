@@ -25,6 +25,7 @@ LAYERS = [
     # foundations: errors, text, leaf values, policies, layouts, report text
     "dsdmerge.errors",
     "dsdmerge._gc",
+    "dsdmerge._torch_api",
     "dsdmerge._paths",
     "dsdmerge._text",
     "dsdmerge._values",

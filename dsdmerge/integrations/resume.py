@@ -56,7 +56,7 @@ from dsdmerge.integrations._optim import (
     leaf_optimizers,
     uses_fsdp1,
 )
-from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
+from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -659,8 +659,9 @@ def load_dcp(
     policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
-    trusted: bool = False,
+    trusted: Trust = False,
     process_group: Any = None,
+    storage_reader: Any = None,
 ) -> DCPLoad:
     """Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
 
@@ -698,8 +699,14 @@ def load_dcp(
         allow_missing: Globs over flat keys (as :func:`dsdmerge.flatten` spells
             ``state_dict``) the checkpoint may lack.
         allow_unexpected: Globs over flat keys ``state_dict`` may lack.
-        trusted: Unpickle without restriction (only for trusted checkpoints).
+        trusted: ``False``, a list of ``"module.Name"`` globals to allow (in bytes
+            entries, and as storage classes of ``.metadata``), or ``True``: unpickle
+            without restriction (only for trusted checkpoints); as for
+            :func:`~dsdmerge.integrations.read_metadata`.
         process_group: Passed to ``dcp.load``.
+        storage_reader: A DCP ``StorageReader`` that reads the data (a directory
+            another storage writer wrote, e.g. OLMo-core's); ``.metadata`` is still
+            read safely (see :func:`~dsdmerge.integrations.load_checkpoint`).
 
     Returns:
         ``DCPLoad(state_dict, diff)``: the values read, in ``state_dict``'s
@@ -728,7 +735,7 @@ def load_dcp(
     require_mapping(state_dict, "state_dict")
     where = str(path)
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    view, metadata = read_dcp_metadata(where, trusted=trusted)
+    view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
@@ -748,6 +755,7 @@ def load_dcp(
         allow_partial_load=bool(diff.missing),
         no_dist=no_dist,
         process_group=process_group,
+        storage_reader=storage_reader,
     )
     for path_ in skipped:
         _prune(target, path_)
