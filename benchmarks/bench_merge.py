@@ -239,6 +239,9 @@ def deepseek(
     # the checkpoint as DDP saved it (every fqn behind "module."): rename restores it exactly
     c_ddp = dm.rename(c, {"^": "module."})
     assert dm.rename(c_ddp, "ddp") == c
+    # diff suggests that rename, every fqn paired with its missing twin
+    [ddp] = dm.diff(c_ddp, r).renames
+    assert (ddp.preset, ddp.keys) == ("ddp", len(c)), ddp
     refactor = {r"\.attn\.wq\.": ".attn.q_proj."}  # one projection renamed in every layer
     # a new parameter (the output head, not in the checkpoint at all): its param_groups.* keys
     # are backfilled from its group's checkpoint values, which the groups must be found for
@@ -273,6 +276,7 @@ def deepseek(
         "rename (ddp, every key)": lambda: dm.rename(c_ddp, "ddp"),
         "rename (wq -> q_proj)": lambda: dm.rename(c, refactor),
         "merge through rename (ddp)": lambda: dm.merge(c_ddp, r, rename="ddp"),
+        "diff suggesting a rename (ddp)": lambda: dm.diff(c_ddp, r),
     }
     med = measure(cases, rounds, warmup=len(c) < 10**6)
     out: dict[str, Any] = {
@@ -347,6 +351,13 @@ TARGETS = [
         "rename of every fqn vs the floor",
     ),
     ("nested / flat merge", _ratio("nested merge", "merge"), "<=", 0.6, "nested vs flat merge"),
+    (
+        "diff suggesting a rename / floor",
+        _ratio("diff suggesting a rename (ddp)", "floor"),
+        "<=",
+        30.0,
+        "diff of a DDP checkpoint: every key unexpected, the rename found and checked key by key",
+    ),
 ]
 
 

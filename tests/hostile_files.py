@@ -299,6 +299,53 @@ def run_child(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[s
     )
 
 
+_BOUNDED_CLI = """
+import os, sys, time
+import torch, torch.distributed.checkpoint, safetensors.torch  # mapped before the limit
+import hostile_files as hf
+from dsdmerge import cli
+hf.limit_memory(int(os.environ["DSDMERGE_TEST_EXTRA_BYTES"]))
+start = time.perf_counter()
+code = cli.main(sys.argv[1:])
+with open(os.environ["DSDMERGE_TEST_SECONDS_FILE"], "w") as f:
+    f.write(repr(time.perf_counter() - start))
+sys.exit(code)
+"""
+
+
+def run_cli_bounded(
+    *args: str,
+    seconds: float,
+    extra: int = 1 << 30,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``dsdmerge ARGS`` in a child whose address space is capped at what the imports took
+    plus ``extra`` bytes; returns the finished process and the seconds ``main`` took (the
+    child is killed after ``timeout``, by default four times ``seconds``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        timing = Path(tmp, "seconds")
+        child_env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+            "DSDMERGE_TEST_EXTRA_BYTES": str(extra),
+            "DSDMERGE_TEST_SECONDS_FILE": str(timing),
+            **(env or {}),
+        }
+        child_env.pop("DSDMERGE_TRACEBACK", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", _BOUNDED_CLI, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout or 4 * seconds,
+            env=child_env,
+        )
+        took = float(timing.read_text()) if timing.exists() else float("inf")
+    return proc, took
+
+
 def read_bounded(path: Path) -> tuple[str, float]:
     """Read ``path`` with each reader: ``"ok"`` (``read_metadata`` returned a view),
     ``"refused"`` (a DSDMergeError), or what went wrong; and the seconds it took."""
