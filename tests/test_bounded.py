@@ -107,3 +107,48 @@ def test_split_many_is_split_of_each_key():
     want = [(k, index.split(k)) for k in flat if index.split(k) is not None]
     assert kept == [k for k, _ in want]
     assert list(zip(befores, fqns, afters, strict=True)) == [s for _, s in want]
+
+
+# -- allow-list ranges -------------------------------------------------------------------
+
+
+def test_a_million_key_range_in_an_allow_list_compiles_in_no_time(tmp_path):
+    """``--allow-missing 'x.{0..999999}'`` (as reports print ranges) is matched as a range."""
+    torch.save({"w": torch.zeros(1)}, tmp_path / "ckpt.pt")
+    torch.save({"w": torch.zeros(1), "x.123456": torch.zeros(1)}, tmp_path / "ref.pt")
+    args = [str(tmp_path / "ckpt.pt"), str(tmp_path / "ref.pt")]
+    for option in ("--allow-missing", "--only"):
+        big = "x.{0..999999,1000000..99999999999999999999}"
+        proc, seconds = hf.run_cli_bounded("diff", *args, option, big, seconds=20, extra=1 << 28)
+        assert proc.returncode == (0 if option == "--allow-missing" else 1), proc.stderr
+        assert seconds < 5, seconds
+    proc, _ = hf.run_cli_bounded(
+        "check", *args, "--policy", "strict", "--allow-missing", "x.{0..123455}", seconds=20
+    )
+    assert proc.returncode == 1, proc.stdout  # 123456 is not in the range
+    assert "x.123456" in proc.stdout
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 10**7), st.integers(0, 10**7)).map(sorted), min_size=1, max_size=4
+    ),
+    st.lists(st.integers(0, 2 * 10**7), max_size=20),
+    st.lists(st.sampled_from(["01", "-1", "1.5", "x", "", "1e3", "00"]), max_size=3),
+)
+def test_ranges_match_exactly_the_numbers_they_hold(ranges, numbers, junk):
+    from dsdmerge.policy import matcher
+
+    text = "x.{" + ",".join(f"{a}..{b}" if a < b else str(a) for a, b in ranges) + "}.w"
+    allowed = matcher([text])
+    for n in [*numbers, *(a for a, _ in ranges), *(b for _, b in ranges)]:
+        for probe in (n - 1, n, n + 1):
+            inside = any(a <= probe <= b for a, b in ranges)
+            assert allowed(f"x.{probe}.w") == inside, (text, probe)
+    for segment in junk:  # not a plain decimal: never in a range
+        assert not allowed(f"x.{segment}.w")
+    small = [r for r in ranges if r[1] - r[0] < 1000]
+    if small and len(small) == len(ranges):
+        keys = dm.report.expand(text)
+        assert all(map(allowed, keys))
+        assert len(keys) == len({n for a, b in ranges for n in range(a, b + 1)})
