@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and readers
     # Errors and warnings
     from dsdmerge.errors import (
         CheckpointReadError,
+        CheckpointWriteError,
         DSDMergeError,
         DSDMergeWarning,
         LayoutError,
@@ -76,6 +77,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(
         (
             "CheckpointReadError",
+            "CheckpointWriteError",
             "DSDMergeError",
             "DSDMergeWarning",
             "LayoutError",
@@ -186,6 +188,7 @@ __all__ = [
     "StateDictTypeError",
     "InvalidPolicyError",
     "CheckpointReadError",
+    "CheckpointWriteError",
     "UnsafeCheckpointError",
     "PatternError",
     "RenameError",
