@@ -35,7 +35,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from pathlib import Path
 from typing import IO, Any
 
-from dsdmerge.errors import DSDMergeError, StateDictTypeError
+from dsdmerge._text import escaped
+from dsdmerge.errors import DSDMergeError, DSDMergeWarning, StateDictTypeError
 from dsdmerge.integrations import writing
 
 __all__ = [
@@ -152,7 +153,7 @@ class _Progress:
     def step(self, what: str) -> None:
         """Start step ``what`` (the previous one is done)."""
         if self._bar is not None:
-            self._bar.set_postfix_str(what, refresh=False)
+            self._bar.set_postfix_str(escaped(what), refresh=False)
 
     def done(self, n: int = 1) -> None:
         """``n`` more units done."""
@@ -394,19 +395,19 @@ def _inspect(args: argparse.Namespace) -> int:
             [*(f"--only {g!r}" for g in keep.only), *(f"--exclude {g!r}" for g in keep.exclude)]
         )
         rows.append(("filter", f"{shown} ({len(data.keys):,} of {len(whole.keys):,} keys)"))
-    print(style.paint(_named(data.path, args.key), "1"))
+    print(style.paint(escaped(_named(data.path, args.key)), "1"))
     if style.table:
         for name, value in rows:
-            print(f"  {name:<8} {value}")
+            _say(f"  {name:<8} {value}")
     else:
         for name, value in rows:
-            print(f"  {name}: {value}")
+            _say(f"  {name}: {value}")
     if stat is not None:
         print("  per top-level key:")
         table = [("", "keys", "tensors", "bytes")]
         table += [(prefix, f"{n:,}", f"{t:,}", _bytes(b)) for prefix, n, t, b in stat]
         for line in _aligned(table, right=(1, 2, 3)):
-            print(f"    {line}")
+            _say(f"    {line}")
     n = len(patterns)
     print(f"  key patterns ({n:,}):" if n else "  no keys")
     lines = render_patterns(patterns, limit=args.limit, table=style.table, color=style.color)
@@ -577,12 +578,12 @@ def _diff(args: argparse.Namespace) -> int:
         else:
             style = _Style.of(sys.stdout, args.color)
             for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
-                print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+                _say(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
             if args.stat:
                 _print_diff_stat(_diff_stat(ckpt_keys, ref, d, keep))
             print(render(d, limit=args.limit, table=style.table, color=style.color))
             if d.renames:
-                print(f"to apply: {_rename_options(d.renames)}")
+                _say(f"to apply: {_rename_options(d.renames)}")
             if ok_missing or ok_unexpected:
                 parts = [
                     f"{n:,} {what}"
@@ -593,7 +594,7 @@ def _diff(args: argparse.Namespace) -> int:
                     if n
                 ]
                 verdict = "nothing else differs" if not differs else "other differences remain"
-                print(f"allowed: {', '.join(parts)}; {verdict}")
+                _say(f"allowed: {', '.join(parts)}; {verdict}")
     return EXIT_DIFFERS if differs else EXIT_OK
 
 
@@ -641,7 +642,7 @@ def _print_diff_stat(rows: Sequence[Mapping[str, Any]]) -> None:
     table = [("top-level key", *columns)]
     table += [(r["prefix"], *(f"{r[c]:,}" for c in columns)) for r in rows]
     for line in _aligned(table, right=range(1, len(columns) + 1)):
-        print(f"  {line}")
+        _say(f"  {line}")
 
 
 # -- rename options --------------------------------------------------------------------
@@ -850,10 +851,10 @@ def _check(args: argparse.Namespace) -> int:
     _warn_unmatched(unmatched, None)
     style = _Style.of(sys.stdout, args.color)
     for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
-        print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+        _say(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
     print(render(d, limit=args.limit, table=style.table, color=style.color))
     if renamed:
-        print(
+        _say(
             f"{len(renamed):,} checkpoint keys renamed first, e.g. {renamed[0][0]} -> "
             f"{renamed[0][1]} ({format_keys([a for a, _ in renamed], limit=3)})"
         )
@@ -862,7 +863,7 @@ def _check(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(style.paint(f"policy {policy.name!r} rejects the merge:", "31"))
     for line in errors:
-        print(f"  - {line}")
+        _say(f"  - {line}")
     return EXIT_DIFFERS
 
 
@@ -886,6 +887,8 @@ def _merge(args: argparse.Namespace) -> int:
     ckpt_format = detect_format(args.checkpoint)
     fmt = writing.output_format(out, args.format, directory="hf" if ckpt_format == "hf" else "dcp")
     writing.check_destination(out, force=args.force, fmt=fmt)
+    if fmt == "hf":  # the files it would copy, checked before anything is loaded
+        writing.hf_plan({}, args.checkpoint, args.reference, ckpt_format)
     trusted = _trusted(args)
     allowed = _Allowed.of(args)
     with _Progress("merge", 4) as progress:
@@ -940,7 +943,7 @@ def _merge(args: argparse.Namespace) -> int:
         progress.done()
     style = _Style.of(sys.stdout, args.color)
     part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
-    print(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
+    _say(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
     if merged.diff:
         print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
     return EXIT_OK
@@ -1022,9 +1025,9 @@ def _reference(args: argparse.Namespace) -> int:
     writing.write_checkpoint(state_dict, out, fmt, force=args.force)
     n = len(dm.flatten(state_dict))
     if isinstance(built, (Mapping, tuple, list)):
-        print(f"wrote {out} ({fmt}, {n:,} keys; parts {', '.join(map(repr, state_dict))})")
+        _say(f"wrote {out} ({fmt}, {n:,} keys; parts {', '.join(map(repr, state_dict))})")
     else:
-        print(f"wrote {out} ({fmt}, {n:,} keys: the model's state_dict())")
+        _say(f"wrote {out} ({fmt}, {n:,} keys: the model's state_dict())")
     return EXIT_OK
 
 
@@ -1046,8 +1049,18 @@ def _print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2))
 
 
+def _say(line: str) -> None:
+    """Print a line that holds names from a checkpoint (keys, paths, metadata), escaped.
+
+    A character that does not print (ESC, CR, LF, a bidirectional override) is
+    written as its escape, so a crafted name cannot move the cursor, recolour the
+    terminal or print a fake line; ``--json`` keeps every name exact.
+    """
+    print(escaped(line))
+
+
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
+    print(escaped(line), file=sys.stderr)
 
 
 def _one_line(err: BaseException) -> str:
@@ -1411,6 +1424,51 @@ def _version() -> str:
 
 
 @contextlib.contextmanager
+def _safe_streams() -> Iterator[None]:
+    """Text that stdout or stderr cannot encode is written as escapes, never an error.
+
+    A key with a lone surrogate, or any non-ASCII key under an ASCII locale
+    (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``), would otherwise stop a report half-way
+    with an exception, after ``merge`` had written OUT. Each stream's error handler is
+    restored afterwards.
+    """
+    restore = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(Exception):  # a stream that cannot be reconfigured
+                stream.reconfigure(errors="backslashreplace")
+                restore.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in restore:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors=errors)
+
+
+@contextlib.contextmanager
+def _printed_warnings() -> Iterator[None]:
+    """Print the warnings of a command as it runs: each once, one escaped line on stderr."""
+    seen: set[str] = set()
+    original = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if not issubclass(category, DSDMergeWarning):
+            original(message, category, *args, **kwargs)
+            return
+        line = f"dsdmerge: warning: {_cli_advice(str(message).removeprefix('dsdmerge: '))}"
+        if line not in seen:
+            seen.add(line)
+            _stderr(line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", DSDMergeWarning)
+        warnings.showwarning = show
+        yield
+
+
+@contextlib.contextmanager
 def _quiet_broken_pipe() -> Iterator[None]:
     """``dsdmerge inspect ... | head`` must not end in a traceback."""
     try:
@@ -1463,7 +1521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        with _quiet_broken_pipe():
+        with _safe_streams(), _printed_warnings(), _quiet_broken_pipe():
             status: int = args.func(args)
         return status
     except BrokenPipeError:

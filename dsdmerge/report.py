@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from dsdmerge._gc import gc_paused
-from dsdmerge._text import dtype_name, short_repr
+from dsdmerge._text import dtype_name, printable, short_repr
 from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
@@ -519,6 +519,14 @@ def _quote(text: str) -> str:
     return f"'{text}'" if text.isprintable() else repr(text)
 
 
+def _line(p: Pattern) -> str:
+    """A pattern as a report line shows it: its text, or its ``repr`` if a character does not print.
+
+    A key holding ESC or CR must not move the cursor or recolour the terminal.
+    """
+    return printable(str(p))
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
@@ -623,7 +631,8 @@ def _resized_text(p: Pattern, r: Resized) -> str:
     )
     each = " each" if p.count > 1 else ""
     return (
-        f"{p}: {changes}; {r.kept:,} elements kept, {r.from_reference:,} from the reference{each}"
+        f"{_line(p)}: {changes}; {r.kept:,} elements kept, "
+        f"{r.from_reference:,} from the reference{each}"
     )
 
 
@@ -650,7 +659,7 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
     groups = _resized_groups(items)
     shown = ", ".join(
         f"{_quote(str(p))} ({f'{p.count:,} keys, ' if p.count > 1 else ''}"
-        f"{_resized_text(p, r).removeprefix(f'{p}: ')})"
+        f"{_resized_text(p, r).removeprefix(f'{_line(p)}: ')})"
         for p, r in groups[:limit]
     )
     rest = _rest([p for p, _ in groups], limit)
@@ -660,14 +669,14 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
 def _rule_text(s: SuggestedRename) -> str:
     pattern = (
         f"r'{s.pattern}'"
-        if "'" not in s.pattern and not s.pattern.endswith("\\")
+        if "'" not in s.pattern and not s.pattern.endswith("\\") and s.pattern.isprintable()
         else repr(s.pattern)
     )
     preset = f" (preset {s.preset!r})" if s.preset else ""
     old, new = s.example
     return (
         f"{pattern} -> {s.replacement!r}{preset}: {_plural(s.params, 'param')}, "
-        f"{_plural(s.keys, 'key')}, e.g. {old} -> {new}"
+        f"{_plural(s.keys, 'key')}, e.g. {printable(old)} -> {printable(new)}"
     )
 
 
@@ -735,7 +744,9 @@ def render(
         n = len(diff.mismatched)
         lines.append(_paint(f"{_plural(n, 'tensor')} {_MISMATCHED}:", "mismatched", color))
         groups = _mismatch_groups(diff.mismatched)
-        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        rows = [
+            (p.count, f"{_line(p)}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]
+        ]
         lines.extend(_rows(rows, table, color))
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
@@ -745,7 +756,9 @@ def render(
         n = len(changed)
         lines.append(_paint(f"{_plural(n, 'non-tensor value')} {_CHANGED}:", "changed", color))
         groups = _changed_groups(changed)
-        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        rows = [
+            (p.count, f"{_line(p)}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]
+        ]
         lines.extend(_rows(rows, table, color))
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
@@ -809,7 +822,7 @@ def render_patterns(
           b
           ... and 1 more key in 1 pattern
     """
-    lines = _rows([(p.count, str(p)) for p in patterns[:limit]], table, color)
+    lines = _rows([(p.count, _line(p)) for p in patterns[:limit]], table, color)
     if len(patterns) > limit:
         lines.append("  " + _paint(f"... and {_rest(patterns, limit)}", "dim", color))
     return lines

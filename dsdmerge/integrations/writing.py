@@ -21,32 +21,106 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from dsdmerge.errors import CheckpointWriteError
+from dsdmerge.integrations._files import plain_name
 
 __all__ = [
     "FORMATS",
     "CheckpointWriteError",
     "HFPlan",
+    "HF_FILES",
     "check_destination",
+    "hf_plan",
+    "hf_small_files",
+    "is_hf_file",
     "output_format",
     "write_checkpoint",
 ]
 
 
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+_HF_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+"""Shard names as ``save_pretrained`` writes them, and as :func:`hf_plan` names shards."""
+
+HF_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.model",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+    }
+)
+"""The small files of a Hugging Face model directory that ``merge`` copies beside the
+weights: the config, the generation config, tokenizer and processor files."""
+
+_HF_CODE = re.compile(
+    r"(configuration|modeling|tokenization|processing|image_processing|feature_extraction)"
+    r"_[A-Za-z0-9_]+\.py"
+)
+"""The model's own code (``trust_remote_code``), as the hub names it."""
+
+
+def is_hf_file(name: str, /) -> bool:
+    """Whether dsdmerge writes a file of this name into a Hugging Face directory.
+
+    Exactly: ``model.safetensors``, ``model.safetensors.index.json``, shards
+    ``model-0000N-of-0000M.safetensors``, the small files of :data:`HF_FILES` and the
+    model's code (``configuration_*.py``, ``modeling_*.py``, ``tokenization_*.py`` ...).
+    ``force=True`` replaces a directory holding nothing else.
+
+    Example:
+        >>> from dsdmerge.integrations.writing import is_hf_file
+        >>> [is_hf_file(n) for n in ("config.json", "train.py", "adapter_model.safetensors")]
+        [True, False, False]
+    """
+    return (
+        name in (HF_SINGLE, HF_INDEX)
+        or name in HF_FILES
+        or _HF_SHARD.fullmatch(name) is not None
+        or _HF_CODE.fullmatch(name) is not None
+    )
+
+
+def _is_small_file(name: str) -> bool:
+    return name in HF_FILES or _HF_CODE.fullmatch(name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class HFPlan:
-    """How ``merge`` writes a Hugging Face directory: shards, their metadata, the index.
+    """How a Hugging Face directory is written: shards, their metadata, the index, small files.
 
     Attributes:
-        shard_of: Each key's shard file name.
+        shard_of: Each key's shard file name (a plain name ending in ``.safetensors``).
         shard_metadata: Each shard's ``__metadata__``.
-        index: The index file's name, or ``None`` for one unsharded weights file.
+        index: The index file's name, or ``None`` for one unsharded weights file. The
+            index written describes exactly the shards written (``weight_map``,
+            ``total_size``).
         index_metadata: The index's ``"metadata"`` (``total_size`` is recomputed).
-        extra_files: Other files copied into the directory (``config.json`` ...), by name.
+        extra_files: Small files copied into the directory (``config.json`` ...): the
+            name in the directory, and the path of the file to copy. Each must be a
+            regular file that resolves inside the directory it is in (checked again
+            when copied).
+
+    Raises:
+        CheckpointWriteError: A shard, index or small-file name that is not a plain
+            file name of the kind it stands for, or several shards without an index.
     """
 
     shard_of: dict[str, str]
@@ -55,60 +129,144 @@ class HFPlan:
     index_metadata: dict[str, Any]
     extra_files: dict[str, str]
 
+    def __post_init__(self) -> None:
+        shards = set(self.shard_of.values())
+        bad = sorted(
+            n for n in shards if not (plain_name(n) and n.endswith(".safetensors"))
+        ) + sorted(n for n in self.extra_files if not (plain_name(n) and _is_small_file(n)))
+        if self.index is not None and not (
+            plain_name(self.index) and self.index.endswith(".safetensors.index.json")
+        ):
+            bad.append(self.index)
+        if bad:
+            raise CheckpointWriteError(
+                f"cannot write a Hugging Face directory holding {bad[0]!r}: shards are plain "
+                "*.safetensors file names, the index a *.safetensors.index.json, small files "
+                "those a model directory has (config.json, tokenizer files ...)"
+            )
+        if self.index is None and len(shards) > 1:
+            raise CheckpointWriteError(
+                f"cannot write {len(shards)} shards without an index that lists them"
+            )
 
-_HF_EXTRA = re.compile(r"[^/]+\.(json|txt|model|jinja|md|tiktoken|py)")
-"""Files of a Hugging Face directory that ``merge`` copies next to the weights (config ...)."""
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
 
 
-def _hf_extra_files(directory: str, skip: Collection[str]) -> dict[str, str]:
-    """Regular files (symlinks followed) of a Hugging Face directory worth carrying over."""
-    out: dict[str, str] = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name in skip or name.endswith(".safetensors") or not _HF_EXTRA.fullmatch(name):
-            continue
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(os.stat(path).st_mode):
-                out[name] = path
-    return out
+def _roots(directory: str) -> list[str]:
+    """Where the files of ``directory`` may resolve: itself, and a hub cache's ``blobs``.
+
+    A hub cache snapshot (``models--org--name/snapshots/<revision>``) links every file
+    to the repository's ``blobs``.
+    """
+    real = os.path.realpath(directory)
+    roots = [real]
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return roots
+
+
+def _small_file(directory: str, name: str) -> str:
+    """The path of small file ``name`` of ``directory``, checked.
+
+    It must be a regular file that resolves inside the directory (or, in a hub cache
+    snapshot, into its blobs).
+    """
+    path = os.path.join(directory, name)
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            target = os.path.realpath(path)
+            if not any(_inside(target, root) for root in _roots(directory)):
+                raise CheckpointWriteError(
+                    f"{directory}: {name} is a link to {target!r}, outside the directory; "
+                    "only the checkpoint's own files are copied (copy the file in, or remove "
+                    "the link); nothing was written",
+                    path=directory,
+                )
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if isinstance(err, CheckpointWriteError):
+            raise
+        raise CheckpointWriteError(
+            f"{directory}: {name} cannot be read: {' '.join(str(err).split())}", path=directory
+        ) from err
+    if not stat.S_ISREG(mode):
+        raise CheckpointWriteError(
+            f"{directory}: {name} is not a regular file; nothing was written", path=directory
+        )
+    return path
+
+
+def hf_small_files(directory: str, /) -> dict[str, str]:
+    """The small files of a Hugging Face directory that a merge copies: name -> path.
+
+    Only the names :func:`is_hf_file` lists (never the weights or an index: the
+    writer writes those from what it writes), each checked to be a regular file that
+    resolves inside the directory (or, in a hub cache snapshot, into the repository's
+    ``blobs``).
+
+    Raises:
+        CheckpointWriteError: One of them is a link out of the directory, or not a
+            regular file (named, so nothing from elsewhere is ever copied).
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"{directory}: cannot be listed: {' '.join(str(err).split())}", path=directory
+        ) from err
+    return {name: _small_file(directory, name) for name in names if _is_small_file(name)}
 
 
 def hf_plan(result: Mapping[str, Any], checkpoint: str, reference: str, ckpt_format: str) -> HFPlan:
     """How to write ``result`` as a Hugging Face directory like the checkpoint's.
 
-    Shards as the checkpoint has them; keys only the reference had go where its index
-    puts them (when the checkpoint has that shard), else into the last shard; config and
-    other small files come from the reference's directory (the model you have now), else
-    the checkpoint's. A checkpoint that is not a Hugging Face directory is written as one
-    unsharded ``model.safetensors``.
+    Shards as the checkpoint groups its keys, named as ``save_pretrained`` names them
+    (``model-0000N-of-0000M.safetensors``, their index ``model.safetensors.index.json``);
+    keys only the reference had go where its index puts them (when the checkpoint has
+    that shard), else into the last shard; the small files (:func:`hf_small_files`) come
+    from the reference's directory (the model you have now), else the checkpoint's. A
+    checkpoint that is not a Hugging Face directory, or one unsharded file, is written as
+    one ``model.safetensors`` with no index.
+
+    Raises:
+        CheckpointWriteError: A small file to copy is a link out of its directory or
+            not a regular file.
     """
     from dsdmerge.integrations.checkpoints import detect_format, hf_shards
 
-    ref_format = detect_format(reference)
     ref_shard_of: dict[str, str] = {}
     ref_dir = None
-    if ref_format == "hf":
+    if detect_format(reference) == "hf":
         ref_layout, ref_shard_of, _ = hf_shards(reference)
         ref_dir = ref_layout.directory
     if ckpt_format != "hf":
-        extra = _hf_extra_files(ref_dir, ()) if ref_dir else {}
+        extra = hf_small_files(ref_dir) if ref_dir else {}
         return HFPlan(
-            dict.fromkeys(result, "model.safetensors"),
-            {"model.safetensors": {"format": "pt"}},
+            dict.fromkeys(result, HF_SINGLE), {HF_SINGLE: {"format": "pt"}}, None, {}, extra
+        )
+    layout, shard_of, shard_metadata = hf_shards(checkpoint)
+    extra = hf_small_files(ref_dir or layout.directory)
+    if layout.index is None:
+        [single] = layout.shards
+        return HFPlan(
+            dict.fromkeys(result, HF_SINGLE),
+            {HF_SINGLE: shard_metadata.get(single) or {"format": "pt"}},
             None,
             {},
             extra,
         )
-    layout, shard_of, shard_metadata = hf_shards(checkpoint)
+    n = len(layout.shards)
+    name_of = {s: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, s in enumerate(layout.shards)}
     last = layout.shards[-1]
-    names = set(layout.shards)
     plan = {}
     for key in result:
         shard = shard_of.get(key) or ref_shard_of.get(key)
-        plan[key] = shard if shard in names else last
-    skip = {layout.index or "", *layout.shards}
-    extra = _hf_extra_files(ref_dir or layout.directory, skip)
-    return HFPlan(plan, shard_metadata, layout.index, dict(layout.metadata), extra)
+        plan[key] = name_of[shard if shard in name_of else last]
+    metadata = {name_of[s]: m for s, m in shard_metadata.items() if s in name_of}
+    return HFPlan(plan, metadata, HF_INDEX, dict(layout.metadata), extra)
 
 
 FORMATS = ("torch", "safetensors", "dcp", "hf")
@@ -171,7 +329,8 @@ def output_format(out: Path, requested: str | None = None, /, *, directory: str 
     return requested
 
 
-_DCP_FILES = re.compile(r"\.metadata|.+\.distcp")
+_DCP_FILES = re.compile(r"\.metadata|__[0-9]+_[0-9]+\.distcp")
+"""What DCP's ``FileSystemWriter`` writes in one process: ``.metadata`` and its data files."""
 
 
 def _not_a_dcp_checkpoint(out: Path) -> str | None:
@@ -193,8 +352,8 @@ def _not_a_dcp_checkpoint(out: Path) -> str | None:
 def _not_an_hf_checkpoint(out: Path) -> str | None:
     """Why directory ``out`` is not a Hugging Face model directory (``None`` when it is one).
 
-    One is regular files only: ``*.safetensors`` weights (at least one), their index,
-    and the small files ``merge`` carries over (``config.json``, tokenizer files ...).
+    One holds regular files only, of the names dsdmerge writes (:func:`is_hf_file`):
+    weights (at least one), their index, and the small files a merge copies.
     """
     try:
         names = sorted(os.listdir(out))
@@ -203,8 +362,11 @@ def _not_an_hf_checkpoint(out: Path) -> str | None:
     if not any(n.endswith(".safetensors") for n in names):
         return "holds no .safetensors file"
     for name in names:
-        if not (name.endswith(".safetensors") or _HF_EXTRA.fullmatch(name)):
-            return f"holds {name!r}, which is not a file of a Hugging Face model directory"
+        if not is_hf_file(name):
+            return (
+                f"holds {name!r}, which dsdmerge does not write (it writes weights, their "
+                "index, config and tokenizer files)"
+            )
         if not stat.S_ISREG(os.lstat(out / name).st_mode):
             return f"holds {name!r}, which is not a regular file"
     return None
@@ -450,15 +612,15 @@ def _write_hf(state_dict: Mapping[str, Any], tmp: Path, plan: HFPlan | None) -> 
     """A Hugging Face model directory: shards as planned, their index, the copied files."""
     if plan is None:
         plan = HFPlan(
-            dict.fromkeys(state_dict, "model.safetensors"),
-            {"model.safetensors": {"format": "pt"}},
-            None,
-            {},
-            {},
+            dict.fromkeys(state_dict, HF_SINGLE), {HF_SINGLE: {"format": "pt"}}, None, {}, {}
         )
     shards: dict[str, dict[str, Any]] = {}
     for key, value in state_dict.items():
-        shards.setdefault(plan.shard_of.get(key, "model.safetensors"), {})[key] = value
+        shards.setdefault(plan.shard_of.get(key, HF_SINGLE), {})[key] = value
+    if plan.index is None and len(shards) > 1:
+        raise CheckpointWriteError(
+            f"cannot write {len(shards)} shards without an index that lists them"
+        )
     total = 0
     weight_map: dict[str, str] = {}
     for name in sorted(shards):
@@ -477,9 +639,35 @@ def _write_hf(state_dict: Mapping[str, Any], tmp: Path, plan: HFPlan | None) -> 
             f.flush()
             os.fsync(f.fileno())
     for name, source in plan.extra_files.items():
-        if name not in shards and name != plan.index:
-            shutil.copyfile(source, tmp / name)
-            _fsync(tmp / name)
+        _copy_small_file(source, tmp / name)
+
+
+def _copy_small_file(source: str, dest: Path) -> None:
+    """Copy a small file, checked again when copied.
+
+    It is read through a descriptor that the final path component cannot redirect
+    (``O_NOFOLLOW`` on the resolved path).
+    """
+    directory, name = os.path.split(source)
+    _small_file(directory, name)
+    real = os.path.realpath(source)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"{directory}: {name} cannot be read: {' '.join(str(err).split())}", path=directory
+        ) from err
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise CheckpointWriteError(
+                f"{directory}: {name} is not a regular file; nothing was written",
+                path=directory,
+            )
+        with open(dest, "xb") as out:
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
