@@ -941,11 +941,17 @@ def _merge(args: argparse.Namespace) -> int:
         )
         writing.write_checkpoint(result, out, fmt, force=args.force, metadata=metadata, hf=plan)
         progress.done()
-    style = _Style.of(sys.stdout, args.color)
-    part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
-    _say(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
-    if merged.diff:
-        print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
+    # OUT is written: the status says so, whatever becomes of the report
+    try:
+        with _reader_may_leave():
+            style = _Style.of(sys.stdout, args.color)
+            part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
+            _say(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
+            if merged.diff:
+                print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
+    except (OSError, ValueError):  # stdout gone (EIO, closed)
+        with contextlib.suppress(Exception):
+            _stderr(f"dsdmerge: wrote {out}; its report could not be printed")
     return EXIT_OK
 
 
