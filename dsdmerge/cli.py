@@ -886,6 +886,7 @@ def _merge(args: argparse.Namespace) -> int:
     ckpt_key, ref_key = _keys_of(args)
     ckpt_format = detect_format(args.checkpoint)
     fmt = writing.output_format(out, args.format, directory="hf" if ckpt_format == "hf" else "dcp")
+    writing.recover_interrupted(out)
     writing.check_destination(out, force=args.force, fmt=fmt)
     if fmt == "hf":  # the files it would copy, checked before anything is loaded
         writing.hf_plan({}, args.checkpoint, args.reference, ckpt_format)
@@ -1020,6 +1021,7 @@ def _reference(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     fmt = writing.output_format(out, args.format)
+    writing.recover_interrupted(out)
     writing.check_destination(out, force=args.force, fmt=fmt)
     from dsdmerge.integrations.reference import reference_state_dict
 

@@ -8,20 +8,40 @@ stands for; :func:`write_checkpoint` writes; :class:`HFPlan` says how a Hugging 
 directory is laid out (its shards, their index, the small files copied beside them).
 
 Every error is a :class:`~dsdmerge.CheckpointWriteError` naming the destination.
+
+What a crash (a kill, a power cut) at any point of a write leaves, ``OUT`` being the
+destination:
+
+* while the new checkpoint is written: ``OUT`` as it was (absent, or the old checkpoint),
+  and the unfinished new one in ``.OUT.<random>.tmp`` beside it (remove it; it is never
+  removed for you, as another process may be writing it);
+* a file, or a directory that did not exist, is put in place by one rename: before it,
+  the above; after it, the new ``OUT``;
+* a directory that existed (``force=True``), on Linux: one ``renameat2(RENAME_EXCHANGE)``
+  swaps the two; just after it the old checkpoint is in ``.OUT.<random>.tmp``, then it is
+  renamed to ``.OUT.<random>.old`` and removed (a ``.old`` left by a crash is removed by
+  the next write of ``OUT``);
+* elsewhere, two renames: ``OUT`` to ``.OUT.<random>.old``, then the new one to ``OUT``.
+  Between them ``OUT`` is missing; the next write of ``OUT`` (:func:`recover_interrupted`)
+  renames the old one back first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
+import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +57,7 @@ __all__ = [
     "hf_plan",
     "hf_small_files",
     "is_hf_file",
+    "recover_interrupted",
     "output_format",
     "write_checkpoint",
 ]
@@ -486,6 +507,7 @@ def write_checkpoint(
     if fmt not in writers:
         raise CheckpointWriteError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     write = writers[fmt]
+    recover_interrupted(out)
     check_destination(out, force=force, fmt=fmt)
     parent = out.parent
     directory = fmt in ("dcp", "hf")
@@ -519,45 +541,214 @@ def _file_mode(out: Path, *, directory: bool = False) -> int:
 
 
 def _replace(tmp: Path, out: Path, *, force: bool, fmt: str | None = None) -> None:
-    if not (out.exists() or out.is_symlink()):
-        if tmp.is_dir():
-            os.rename(tmp, out)
-        else:
-            # link, not rename: fails instead of replacing an OUT that appeared meanwhile
-            try:
-                os.link(tmp, out)
-            except FileExistsError:
-                raise CheckpointWriteError(
-                    f"{out}: already exists; pass force=True to replace it"
-                ) from None
-            except OSError:  # no hard links on this file system
-                os.replace(tmp, out)
-                return
-            tmp.unlink()
-        return
-    check_destination(out, force=force, fmt=fmt or ("dcp" if tmp.is_dir() else None))
-    if tmp.is_dir():
+    """Put the complete ``tmp`` in place of ``out``, by one rename where the system has one.
+
+    A file: ``os.link`` when ``out`` does not exist (fails instead of replacing one that
+    appeared meanwhile), else ``os.replace``. A directory: ``renameat2`` with
+    ``RENAME_NOREPLACE`` when ``out`` does not exist, with ``RENAME_EXCHANGE`` when it
+    does (Linux: the old and the new swap places in one step, then the old is renamed
+    to ``.OUT.<random>.old`` and removed);
+    elsewhere, or on a file system without it, ``out`` is renamed aside to
+    ``.OUT.<random>.old`` first, and a run that finds ``out`` missing beside it renames
+    it back (:func:`recover_interrupted`). The parent directory is synced after each
+    rename.
+    """
+    with _parent_locked(out.parent):
+        if not (out.exists() or out.is_symlink()):
+            if tmp.is_dir():
+                if not _renameat2(tmp, out, _RENAME_NOREPLACE):
+                    os.rename(tmp, out)
+            else:
+                try:
+                    os.link(tmp, out)
+                except FileExistsError:
+                    raise CheckpointWriteError(
+                        f"{out}: already exists; pass force=True to replace it", path=str(out)
+                    ) from None
+                except OSError:  # no hard links on this file system
+                    os.replace(tmp, out)
+                else:
+                    tmp.unlink()
+            _fsync_dir(out.parent)
+            return
+        check_destination(out, force=force, fmt=fmt or ("dcp" if tmp.is_dir() else None))
+        if not tmp.is_dir():
+            os.replace(tmp, out)
+            _fsync_dir(out.parent)
+            return
+        old = out.parent / f".{out.name}.{secrets.token_hex(6)}{_OLD}"
+        if _renameat2(tmp, out, _RENAME_EXCHANGE):  # tmp now holds the old checkpoint
+            os.rename(tmp, old)  # named as replaced: the next run removes it, if this one dies
+            _fsync_dir(out.parent)
+            _remove_tree(old)
+            return
         # A directory cannot be renamed over a non-empty one: move the old one aside first.
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
-        os.rename(out, old / "ckpt")
+        os.rename(out, old)
         try:
             os.rename(tmp, out)
         except BaseException:
-            os.rename(old / "ckpt", out)
-            _remove_old(old)
+            os.rename(old, out)
             raise
-        _remove_old(old)
+        _fsync_dir(out.parent)
+        _remove_tree(old)
+
+
+_OLD = ".old"
+_ASIDE_NAME = re.compile(r"[0-9a-f]{12}")  # the random part of .OUT.<random>.old
+
+
+def recover_interrupted(out: Path, /) -> Path | None:
+    """Restore ``out`` if a replace of it was interrupted between its two renames.
+
+    Where directories are replaced in two renames (no ``renameat2``), ``out`` is missing
+    between them, the old checkpoint renamed to ``.OUT.<random>.old`` beside it. If
+    ``out`` is missing and exactly one such directory is there, it is renamed back (a
+    :class:`~dsdmerge.DSDMergeWarning` says so) and its path returned. If ``out``
+    exists, such a directory is a checkpoint that ``out`` replaced, whose removal was
+    interrupted: it is removed now. :func:`write_checkpoint` calls this first.
+
+    Raises:
+        CheckpointWriteError: ``out`` is missing and several such copies are there
+            (which to keep cannot be told).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from dsdmerge.integrations.writing import recover_interrupted
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     recover_interrupted(Path(tmp, "merged")) is None
+        True
+    """
+    from dsdmerge.errors import DSDMergeWarning
+
+    parent = out.parent
+    with _parent_locked(parent):
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return None
+        prefix = f".{out.name}."
+        aside = [
+            parent / n
+            for n in sorted(names)
+            if n.startswith(prefix)
+            and n.endswith(_OLD)
+            and _ASIDE_NAME.fullmatch(n[len(prefix) : -len(_OLD)])
+            and not (parent / n).is_symlink()
+            and (parent / n).is_dir()
+        ]
+        if not aside:
+            return None
+        if out.exists() or out.is_symlink():  # the replace was done, not its clean-up
+            for each in aside:
+                _remove_tree(each)
+            return None
+        if len(aside) > 1:
+            raise CheckpointWriteError(
+                f"{out}: is missing, and {len(aside)} interrupted replaces left copies of it "
+                f"({', '.join(str(p) for p in aside)}); move the one to keep to {out}",
+                path=str(out),
+            )
+        os.rename(aside[0], out)
+        _fsync_dir(parent)
+        warnings.warn(
+            f"{out}: restored from {aside[0]}, where an interrupted replace had moved it",
+            DSDMergeWarning,
+            stacklevel=2,
+        )
+        return out
+
+
+@contextlib.contextmanager
+def _parent_locked(parent: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``parent`` while renaming in it (where there is one).
+
+    Two dsdmerge processes on this machine then never swap and restore the same OUT at
+    once; a file system without locks on directories is renamed in without one.
+    """
+    try:
+        import fcntl
+
+        fd = os.open(parent, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
         return
-    os.replace(tmp, out)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def _remove_old(old: Path) -> None:
-    """Delete a replaced DCP checkpoint (moved into ``old``), read-only or not."""
-    ckpt = old / "ckpt"
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _libc_renameat2() -> Any:
+    """The C library's ``renameat2``, or ``None`` (another system, or a libc without it).
+
+    Python's ``os`` has no ``renameat2``: it is called through ctypes.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; ``False`` where there is no such rename.
+
+    ``False`` when the system or the file system lacks it: then nothing was done.
+    """
+    import ctypes
+
+    function = _libc_renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    if err == errno.EEXIST and flags == _RENAME_NOREPLACE:
+        raise CheckpointWriteError(
+            f"{dst}: already exists; pass force=True to replace it", path=str(dst)
+        )
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where directories can be synced)."""
     with contextlib.suppress(OSError):
-        if ckpt.is_dir() and not ckpt.is_symlink():
-            os.chmod(ckpt, stat.S_IMODE(os.lstat(ckpt).st_mode) | stat.S_IRWXU)
-    shutil.rmtree(old, ignore_errors=True)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a replaced checkpoint directory, read-only or not."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
