@@ -918,6 +918,7 @@ def _merge(args: argparse.Namespace) -> int:
                     allow_unexpected=allowed.unexpected,
                     rename=_rename_rules(args),
                     on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
+                    max_resize_bytes=args.max_bytes,
                 )
             except dm.MergeError as err:
                 progress.close()
@@ -962,6 +963,7 @@ _ADVICE = (
     ("merge with dsdmerge.Policy(shape='warn')", "pass --on-shape-mismatch take-reference"),
     ("on_shape_mismatch='resize'", "--on-shape-mismatch resize"),
     ("on_shape_mismatch='take_reference'", "--on-shape-mismatch take-reference"),
+    ("Pass max_resize_bytes=<bytes>", "Pass --max-bytes BYTES"),
     ("pass rename={", "pass --rename PATTERN=REPLACEMENT for each of {"),
     ("pass force=True", "pass --force"),
     ("force=True replaces only", "--force replaces only"),
@@ -1373,6 +1375,15 @@ def build_parser() -> argparse.ArgumentParser:
     allow(merge, what="")
     _add_rename_options(merge)
     merge.add_argument(
+        "--max-bytes",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="the most bytes the tensors --on-shape-mismatch resize makes may take together "
+        "(default: as many as the checkpoint's and the reference's tensors hold); e.g. "
+        "'64MiB', '2GiB', '1e9'",
+    )
+    merge.add_argument(
         "--force",
         action="store_true",
         help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP or "
@@ -1413,6 +1424,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive, default=5, help="training steps (default: 5)")
     demo.set_defaults(func=_demo)
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")}
+
+
+def _byte_count(text: str) -> int:
+    """``--max-bytes``: a number of bytes, with an optional unit (``64MiB``, ``2GB``)."""
+    upper = text.strip().upper()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if u and upper.endswith(u)), "")
+    try:
+        value = float(upper[: len(upper) - len(unit)].strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}")
+    return int(value * _UNITS[unit])
 
 
 def _positive(text: str) -> int:

@@ -5,8 +5,10 @@ built here; time and address space are bounded in a child process."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hostile_files as hf
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -152,3 +154,74 @@ def test_ranges_match_exactly_the_numbers_they_hold(ranges, numbers, junk):
         keys = dm.report.expand(text)
         assert all(map(allowed, keys))
         assert len(keys) == len({n for a, b in ranges for n in range(a, b + 1)})
+
+
+# -- resizes --------------------------------------------------------------------------------
+
+
+def expanded_reference(tmp_path, rows: int, cols: int) -> str:
+    """A reference .pt of a few bytes whose tensor claims [rows, cols]: stride 0, one float."""
+    path = tmp_path / f"ref-{rows}x{cols}.pt"
+    torch.save({"w": torch.zeros(1, 1).expand(rows, cols), "b": torch.zeros(2)}, path)
+    return str(path)
+
+
+def test_a_stride_0_reference_cannot_make_a_resize_allocate_beyond_the_files(tmp_path):
+    torch.save({"w": torch.ones(2, 2), "b": torch.ones(2)}, tmp_path / "ckpt.pt")
+    ref = expanded_reference(tmp_path, 4096, 4096)
+    assert Path(ref).stat().st_size < 2_000  # 1.5 KB on disk, 64 MiB as a tensor
+    out = tmp_path / "out.pt"
+    args = ["merge", str(tmp_path / "ckpt.pt"), ref, "-o", str(out), "--on-shape-mismatch"]
+    # 32 MiB of address space more than the imports: the 64 MiB clone cannot even be tried
+    proc, _ = hf.run_cli_bounded(*args, "resize", seconds=60, extra=32 << 20)
+    assert proc.returncode == 1, proc.stderr
+    assert "67,108,864 bytes, more than the bytes the checkpoint's and the reference's" in (
+        proc.stderr
+    )
+    assert "--max-bytes BYTES" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+    # asked for: allowed, and made
+    proc, _ = hf.run_cli_bounded(*args, "resize", "--max-bytes", "64MiB", seconds=60)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(out, weights_only=True)["w"].shape == (4096, 4096)
+
+
+def test_a_resize_whose_allocation_fails_is_a_merge_error(tmp_path):
+    """A [10^6, 10^6] claim (4 TB) with the bound lifted: torch's allocator fails, and the
+    error is a MergeError naming the key, never a bare RuntimeError out of dm.merge."""
+    ckpt = {"w": torch.ones(2, 2)}
+    ref = {"w": torch.zeros(1, 1).expand(10**6, 10**6)}
+    with pytest.raises(dm.MergeError, match="more than the bytes"):
+        dm.merge(ckpt, ref, on_shape_mismatch="resize")
+    with pytest.raises(dm.MergeError, match=r"'w': cannot resize: .* could not be made"):
+        dm.merge(ckpt, ref, on_shape_mismatch="resize", max_resize_bytes=10**15)
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    args = ["merge", str(tmp_path / "ckpt.pt"), expanded_reference(tmp_path, 10**6, 10**6)]
+    out = str(tmp_path / "out.pt")
+    proc, _ = hf.run_cli_bounded(
+        *args, "-o", out, "--on-shape-mismatch", "resize", "--max-bytes", "1e15", seconds=60
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "could not be made" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not Path(out).exists()
+
+
+def test_the_resize_bound_counts_storages_not_shapes():
+    from dsdmerge.resize import held_nbytes
+
+    base = torch.zeros(8, 8)
+    trees = ({"a": base, "b": base[2:], "c": [base.t(), (base[0],)]}, {"m": torch.zeros(3)})
+    assert held_nbytes(*trees) == 8 * 8 * 4 + 3 * 4
+    assert held_nbytes({"x": torch.zeros(10, device="meta")}) == 0
+    grown = {"w": torch.zeros(6, 4)}  # a real reference: its own bytes always cover its resize
+    merged = dm.merge({"w": torch.ones(4, 4)}, grown, on_shape_mismatch="resize")
+    assert merged["w"].shape == (6, 4)
+    with pytest.raises(dm.InvalidPolicyError, match="max_resize_bytes"):
+        dm.merge({"w": torch.ones(1)}, {"w": torch.ones(1)}, max_resize_bytes=-1)
+    with pytest.raises(dm.MergeError, match="max_resize_bytes"):
+        dm.merge({"w": torch.ones(4, 4)}, grown, on_shape_mismatch="resize", max_resize_bytes=95)
+    assert dm.merge(
+        {"w": torch.ones(4, 4)}, grown, on_shape_mismatch="resize", max_resize_bytes=96
+    )["w"].shape == (6, 4)
