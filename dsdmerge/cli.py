@@ -8,7 +8,8 @@ Subcommands:
   report; exit 0 when nothing differs, 1 when something does, 2 on error.
 * ``dsdmerge merge CHECKPOINT REFERENCE -o OUT``: merge under a policy and write
   the result atomically, in the format OUT's name says (``--format`` must agree);
-  ``--force`` replaces only a checkpoint file or a DCP checkpoint directory.
+  ``--force`` replaces only a checkpoint file, or a directory holding only what dsdmerge
+  writes there.
 * ``dsdmerge demo``: the resume story on a built-in tiny model.
 
 PATH may be a torch ``.pt``/``.pth``/``.bin`` file, a ``.safetensors`` file or
@@ -1069,8 +1070,12 @@ def _say(line: str) -> None:
     print(escaped(line))
 
 
-def _stderr(line: str) -> None:
-    print(escaped(line), file=sys.stderr)
+def _stderr(text: str) -> None:
+    """Print a message on stderr, its own lines kept.
+
+    Anything else that does not print (ESC, CR, a name's control characters) is escaped.
+    """
+    print("\n".join(map(escaped, text.split("\n"))), file=sys.stderr)
 
 
 def _one_line(err: BaseException) -> str:
@@ -1145,7 +1150,10 @@ when the checkpoint is one; --format must agree): every checkpoint value kept, e
 key only the reference has taken from it. With --ckpt-key (or --key) the whole
 checkpoint is written, its part at that key merged. OUT is written atomically (a
 temporary next to it, renamed when complete) and never replaced without --force;
---force replaces only a checkpoint file or a DCP or Hugging Face checkpoint directory.
+--force replaces only a checkpoint file, or a directory holding only what dsdmerge writes
+there (.metadata and __R_N.distcp; model*.safetensors, the index, config and tokenizer
+files). A Hugging Face result copies only the reference's config, tokenizer, processor and
+model-code files, each a regular file inside its directory; a link out is refused.
 """,
     "reference": """\
 examples:
@@ -1386,8 +1394,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP or "
-        "Hugging Face checkpoint directory (only their own files); never anything else",
+        help="replace OUT if it exists and is a checkpoint: a regular file, or a directory "
+        "holding only what dsdmerge writes there (a DCP or Hugging Face checkpoint); never "
+        "anything else",
     )
     common(merge, json_help=None)
     merge.set_defaults(func=_merge)
