@@ -468,12 +468,15 @@ def write_checkpoint(
     """Write ``state_dict`` to ``out`` in format ``fmt``, atomically.
 
     The data goes to a temporary file (or directory) next to ``out``, which is
-    renamed over ``out`` only once complete, so a failure part-way leaves
-    ``out`` as it was (absent, or the old checkpoint) and no temporary behind.
-    With ``force``, ``out`` may be replaced if it is a regular file (torch,
-    safetensors) or a DCP checkpoint directory (dcp), even a read-only one the user
-    may rename (as ``mv`` would); anything else is refused. The new file keeps the
-    old one's permission bits (never setuid, setgid or sticky).
+    renamed over ``out`` only once complete (see the module docstring for what a
+    crash leaves), so a failure part-way leaves ``out`` as it was (absent, or the
+    old checkpoint) and no temporary behind. First, an old checkpoint an interrupted
+    replace moved aside is put back (:func:`recover_interrupted`). With ``force``,
+    ``out`` may be replaced if it is a regular file (torch, safetensors) or a
+    directory holding only what dsdmerge writes there (dcp: ``.metadata`` and
+    ``__R_N.distcp``; hf: :func:`is_hf_file`), even a read-only one the user may
+    rename (as ``mv`` would); anything else is refused. The new file keeps the old
+    one's permission bits (never setuid, setgid or sticky).
 
     Args:
         state_dict: The state dict to write.
