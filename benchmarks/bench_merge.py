@@ -355,8 +355,9 @@ TARGETS = [
         "diff suggesting a rename / floor",
         _ratio("diff suggesting a rename (ddp)", "floor"),
         "<=",
-        30.0,
-        "diff of a DDP checkpoint: every key unexpected, the rename found and checked key by key",
+        40.0,
+        "diff of a DDP checkpoint: every key unexpected, the rename found and checked key by key "
+        "(linear; about 240x before, when it was quadratic in the fqns)",
     ),
 ]
 
