@@ -30,12 +30,13 @@ def test_rename_suggestions_over_a_hundred_thousand_keys_take_seconds(tmp_path):
     save_file(ref, str(tmp_path / "ref.safetensors"))
     save_file({"module." + k: v for k, v in ref.items()}, str(tmp_path / "ddp.safetensors"))
     proc, seconds = hf.run_cli_bounded(
-        "diff", str(tmp_path / "ddp.safetensors"), str(tmp_path / "ref.safetensors"), seconds=30
+        "diff", str(tmp_path / "ddp.safetensors"), str(tmp_path / "ref.safetensors"), seconds=60
     )
     assert proc.returncode == 1, proc.stderr
     assert "to apply: --rename '^module\\.='" in proc.stdout
     assert f"{n:,} params, {n:,} keys" in proc.stdout
-    assert seconds < 30, seconds
+    # about 10 s here with reading both headers (a quadratic check took minutes)
+    assert seconds < 60, seconds
 
 
 def _explains_key_by_key(rules, c, r, sources, targets):
