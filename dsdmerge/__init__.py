@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and readers
     # Errors and warnings
     from dsdmerge.errors import (
         CheckpointReadError,
+        CheckpointWriteError,
         ConversionError,
         DSDMergeError,
         DSDMergeWarning,
@@ -95,6 +96,7 @@ _HOME: dict[str, str] = {
         (
             "CheckpointReadError",
             "ConversionError",
+            "CheckpointWriteError",
             "DSDMergeError",
             "DSDMergeWarning",
             "LayoutError",
@@ -213,6 +215,7 @@ __all__ = [
     "StateDictTypeError",
     "InvalidPolicyError",
     "CheckpointReadError",
+    "CheckpointWriteError",
     "UnsafeCheckpointError",
     "PatternError",
     "RenameError",

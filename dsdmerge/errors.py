@@ -13,8 +13,9 @@ working::
     ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
     ├── RenameError(DSDMergeError, ValueError)         a bad rename rule, or two keys renamed to one
     ├── ConversionError(DSDMergeError, ValueError)     a layout conversion that cannot apply
-    └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
-        └── UnsafeCheckpointError                      a pickle that would run code: refused
+    ├── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
+    │   └── UnsafeCheckpointError                      a pickle that would run code: refused
+    └── CheckpointWriteError(DSDMergeError, OSError)   a checkpoint that cannot be written
 
     DSDMergeWarning(UserWarning)                        a difference the policy reports
 """
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointReadError",
     "ConversionError",
+    "CheckpointWriteError",
     "DSDMergeError",
     "DSDMergeWarning",
     "InvalidPolicyError",
@@ -189,6 +191,23 @@ class UnsafeCheckpointError(CheckpointReadError):
     entry that is not plain data. Pass ``trusted=True`` only for checkpoints
     whose origin you trust.
     """
+
+
+class CheckpointWriteError(DSDMergeError, OSError):
+    """A checkpoint that cannot be written, or a destination that may not be replaced.
+
+    Raised by :mod:`dsdmerge.integrations.writing` before anything is replaced; the
+    message names the destination and the problem on one line.
+
+    Attributes:
+        path: The destination, as given.
+    """
+
+    path: str
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class DSDMergeWarning(UserWarning):

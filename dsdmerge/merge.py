@@ -35,7 +35,15 @@ from dsdmerge.layout import (
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.rename import Rules, rename_checkpoint
 from dsdmerge.report import format_keys, format_mismatches, format_resized
-from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
+from dsdmerge.resize import (
+    SHAPE_CHOICES,
+    OnShapeMismatch,
+    Resized,
+    held_nbytes,
+    resize,
+    resize_nbytes,
+    why_not_resizable,
+)
 
 __all__ = ["Fresh", "Merged", "check", "merge", "merge_with_diff"]
 
@@ -72,6 +80,7 @@ def merge(
     convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> dict[Any, Any]:
     """Merge a loaded checkpoint over a fresh reference state dict.
 
@@ -113,6 +122,10 @@ def merge(
             without state, so that it starts exactly like in a new optimizer (its
             keys are still reported missing; load the result nested, as
             ``set_optimizer_state_dict`` of a flat dict needs every state key).
+        max_resize_bytes: The most bytes the new tensors of ``"resize"`` may take
+            together. By default, as many as the checkpoint's and the reference's
+            tensors hold (their storages' bytes, each storage once: an expanded,
+            stride-0 reference tensor holds few bytes however large its shape).
 
     Returns:
         A new state dict in the checkpoint's layout. A flat result lists the
@@ -126,7 +139,8 @@ def merge(
             mismatches under the built-in policies, unless ``on_shape_mismatch``
             says otherwise), an int-keyed optimizer's group sizes differ, which
             ``Optimizer.load_state_dict`` rejects, or a tensor cannot be resized
-            (its rank changed, or it is a meta tensor or a DTensor).
+            (its rank changed, it is a meta tensor or a DTensor, the resizes would
+            take more than ``max_resize_bytes``, or allocating one failed).
         LayoutError: An argument is malformed, or the checkpoint is nested and
             the reference flat.
         StateDictTypeError: An argument is not a mapping.
@@ -154,6 +168,7 @@ def merge(
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     ).state_dict
 
 
@@ -169,6 +184,7 @@ def merge_with_diff(
     convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """Like :func:`merge`, but also return the :class:`~dsdmerge.KeyDiff`, from the same pass.
 
@@ -185,6 +201,7 @@ def merge_with_diff(
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (see :func:`merge`); the diff's ``resized`` lists what was resized.
         fresh: ``"reference"`` or ``"as_fresh"`` (see :func:`merge`).
+        max_resize_bytes: The most bytes resizes may allocate (see :func:`merge`).
 
     Returns:
         ``Merged(state_dict, diff, conflicts)``.
@@ -206,6 +223,7 @@ def merge_with_diff(
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     )
 
 
@@ -283,6 +301,7 @@ def _merge(
     convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """:func:`merge_resolved` after resolving the policy.
 
@@ -300,6 +319,7 @@ def _merge(
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     )
 
 
@@ -313,6 +333,7 @@ def merge_resolved(
     convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """:func:`merge_with_diff` under a resolved :class:`~dsdmerge.Policy`.
 
@@ -323,6 +344,11 @@ def merge_resolved(
     """
     _fresh_choice(fresh)
     shapes = _shape_choice(on_shape_mismatch)
+    if max_resize_bytes is not None and (type(max_resize_bytes) is not int or max_resize_bytes < 0):
+        raise InvalidPolicyError(
+            f"max_resize_bytes must be a number of bytes (an int >= 0) or None, got "
+            f"{short_repr(max_resize_bytes)}"
+        )
     checkpoint, extra = _renamed(
         checkpoint, rename, policy, convert=convert, stacklevel=stacklevel + 1
     )
@@ -335,6 +361,8 @@ def merge_resolved(
     )
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=False))
+        if not extra or all(action != "raise" for action, _ in extra):
+            extra.extend(_resize_budget(outcome, checkpoint, reference, max_resize_bytes))
     renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
     diff, conflicts = apply_policy(
         outcome,
@@ -351,7 +379,10 @@ def merge_resolved(
             continue
         slot = outcome.take_reference[m.key]
         if shapes == "resize":  # each new tensor is made once, here
-            slot.put(resize(slot.checkpoint, slot.reference))
+            try:
+                slot.put(resize(slot.checkpoint, slot.reference))
+            except MergeError as err:  # allocating it failed
+                raise MergeError(f"{m.key!r}: {err}", diff=diff) from err
             resized.append(Resized.from_mismatch(m))
         else:  # not raised: torch would reject the checkpoint's tensor
             slot()
@@ -554,6 +585,46 @@ def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action,
             "on_shape_mismatch='take_reference' to take the reference's tensors instead.",
         )
         for why, keys in bad.items()
+    ]
+
+
+def _resize_budget(
+    outcome: Outcome,
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    max_bytes: int | None,
+) -> list[tuple[Action, str]]:
+    """A finding (raised) when the resizes would take more bytes than allowed.
+
+    Allowed: ``max_bytes``, else the bytes the checkpoint's and the reference's tensors
+    hold (so a reference of a few bytes, an expanded tensor claiming any shape, cannot
+    make a merge allocate more than its inputs take).
+    """
+    needs: dict[str, int] = {}
+    for m in outcome.mismatches:
+        if reshaped(m):
+            slot = outcome.take_reference[m.key]
+            needs[m.key] = resize_nbytes(slot.checkpoint, slot.reference)
+    total = sum(needs.values())
+    if not total:
+        return []
+    allowed = max_bytes if max_bytes is not None else held_nbytes(checkpoint, reference)
+    if total <= allowed:
+        return []
+    worst = max(needs, key=needs.__getitem__)
+    whose = (
+        "max_resize_bytes"
+        if max_bytes is not None
+        else "the bytes the checkpoint's and the reference's tensors hold"
+    )
+    return [
+        (
+            "raise",
+            f"{len(needs)} tensor(s) resized would take {total:,} bytes, more than "
+            f"{whose} ({allowed:,}): {format_keys(list(needs))}; the largest, {worst!r}, "
+            f"{needs[worst]:,} bytes (an expanded or crafted reference tensor claims a shape "
+            "its data does not fill). Pass max_resize_bytes=<bytes> to allow it.",
+        )
     ]
 
 

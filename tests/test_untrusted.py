@@ -667,12 +667,14 @@ def test_a_name_that_disagrees_with_the_format_is_refused(pair, name, fmt, words
 
 
 def test_output_format_is_a_pure_function():
-    assert cli.output_format(Path("a.PT")) == "torch"
-    assert cli.output_format(Path("a.bin")) == "torch"
-    assert cli.output_format(Path("dir/step-1000")) == "dcp"
-    assert cli.output_format(Path("x.ckpt"), "safetensors") == "safetensors"
-    with pytest.raises(cli.CLIError):
-        cli.output_format(Path("x.pth"), "dcp")
+    from dsdmerge.integrations.writing import output_format
+
+    assert output_format(Path("a.PT")) == "torch"
+    assert output_format(Path("a.bin")) == "torch"
+    assert output_format(Path("dir/step-1000")) == "dcp"
+    assert output_format(Path("x.ckpt"), "safetensors") == "safetensors"
+    with pytest.raises(dm.CheckpointWriteError):
+        output_format(Path("x.pth"), "dcp")
 
 
 def test_the_flat_view_shortcut_agrees_with_rebuilding_the_nesting(tmp_path):
