@@ -629,7 +629,10 @@ class _MmapUnsupported(Exception):
 
 def _torch_load_file(where: str, *, trusted: Trust, map_location: str, mmap: bool) -> Any:
     try:
-        with _allowing(trusted):
+        with _allowing(trusted), warnings.catch_warnings():
+            # torch's note that a pickle protocol other than 2 "might not be supported": the
+            # file is then either read faithfully or refused with a reason, so it says nothing
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(
                 where, weights_only=trusted is not True, mmap=mmap, map_location=map_location
             )
