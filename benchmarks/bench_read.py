@@ -2,6 +2,7 @@
 
     python benchmarks/bench_read.py            # DeepSeek-V3 scale: 661,709 keys, ~160 MB
     python benchmarks/bench_read.py --quick    # 2 layers (CI smoke run, seconds)
+    python benchmarks/bench_read.py --layers 16   # 172,000 keys
 
 The file is what DCP's ``FileSystemWriter`` writes: a ``Metadata`` built from DCP's own
 classes (a tensor entry with one chunk, or a bytes entry, per flat key of the
@@ -15,7 +16,8 @@ The cases run interleaved, one of each per round, medians over the rounds:
 * ``dsdmerge read_metadata``: the whole metadata-only view (the above, plus the flat
   view ``inspect`` and ``diff`` use).
 
-The target is ``load_metadata / pickle.load <= 1.3``.
+The targets: ``load_metadata / pickle.load <= 1.3`` and ``read_metadata / pickle.load <=
+1.3`` (the whole view ``inspect`` shows, not only the unpickling).
 """
 
 from __future__ import annotations
@@ -77,8 +79,11 @@ def build_metadata(layers: int, experts: int) -> Any:
             length = 600
         storage[index] = _StorageInfo(f"__{n % 2}_0.distcp", offset, length)
         offset += length
-    meta = StorageMeta(pathlib.Path("/checkpoints/step-1000"), "save-id", None, [])
-    return Metadata(sdm, planner, storage, meta, "1.0.0")
+    meta = StorageMeta(pathlib.Path("/checkpoints/step-1000"), "save-id", None)
+    md = Metadata(sdm, planner_data=planner, storage_data=storage, storage_meta=meta)
+    if hasattr(md, "version"):  # torch >= 2.7 records a metadata version
+        md.version = "1.0.0"
+    return md
 
 
 def write_checkpoint(where: Path, layers: int, experts: int) -> int:
@@ -93,11 +98,11 @@ def write_checkpoint(where: Path, layers: int, experts: int) -> int:
     return keys
 
 
-def run(*, quick: bool, rounds: int | None = None) -> dict[str, Any]:
+def run(*, quick: bool, rounds: int | None = None, layers: int | None = None) -> dict[str, Any]:
     from dsdmerge.integrations import read_metadata
     from dsdmerge.integrations._dcp_metadata import load_metadata
 
-    layers, experts = (2, 256) if quick else (61, 256)
+    layers, experts = (2, 256) if quick else (layers or 61, 256)
     rounds = rounds or (1 if quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
@@ -154,13 +159,14 @@ def report(result: dict[str, Any]) -> str:
     ]
     for name, sec in s.items():
         lines.append(f"| {name} | {sec:.2f} s | {sec / base:.2f} |")
-    ratio = s["dsdmerge load_metadata"] / base
-    met = "yes" if ratio <= TARGET else "NO"
-    lines += [
-        "",
-        f"| target | measured | bound | met |\n|---|---:|---:|:-:|\n"
-        f"| safe read / torch pickle.load | {ratio:.2f} | <= {TARGET} | {met} |",
-    ]
+    lines += ["", "| target | measured | bound | met |", "|---|---:|---:|:-:|"]
+    for name, what in (
+        ("dsdmerge load_metadata", "safe read"),
+        ("dsdmerge read_metadata", "whole view"),
+    ):
+        ratio = s[name] / base
+        met = "yes" if ratio <= TARGET else "NO"
+        lines.append(f"| {what} / torch pickle.load | {ratio:.2f} | <= {TARGET} | {met} |")
     return "\n".join(lines)
 
 
@@ -168,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 layers, 1 round (CI smoke run)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 1)")
+    ap.add_argument("--layers", type=int, default=None, help="model layers (default 61)")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
-    result = run(quick=args.quick, rounds=args.rounds)
+    result = run(quick=args.quick, rounds=args.rounds, layers=args.layers)
     print(report(result))
     print(
         f"\nPython {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, "

@@ -10,7 +10,9 @@ reference under a policy::
 Model surgery carries the optimizer state along: ``rename`` (and ``rename=``)
 maps fqns by rules everywhere they appear, ``on_shape_mismatch="resize"`` keeps
 the trained slice of a resized tensor and of its moments, and ``rekey`` turns
-``optimizer.state_dict()``'s int ids into fqns.
+``optimizer.state_dict()``'s int ids into fqns. Layout changes carry it too:
+``convert`` fuses (q/k/v into ``qkv_proj``), splits, stacks (MoE experts into one
+3-D parameter), unstacks and transposes parameters and their optimizer state.
 
 Importing the package is cheap: each public name is imported from its module on first
 use (PEP 562), so ``dsdmerge --version`` and reading a safetensors header never import
@@ -25,12 +27,25 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and readers
+    # Layout conversions
+    from dsdmerge.convert import (
+        CONVERSION_PRESETS,
+        Fuse,
+        Split,
+        Stack,
+        Transpose,
+        Unstack,
+        convert,
+    )
+
     # Diffs
     from dsdmerge.diff import Changed, KeyDiff, Mismatch, TensorMeta, diff
 
     # Errors and warnings
     from dsdmerge.errors import (
         CheckpointReadError,
+        CheckpointWriteError,
+        ConversionError,
         DSDMergeError,
         DSDMergeWarning,
         LayoutError,
@@ -72,10 +87,16 @@ __version__ = "0.1.0"
 
 # Each public name and the module it comes from (what the TYPE_CHECKING block imports).
 _HOME: dict[str, str] = {
+    **dict.fromkeys(
+        ("CONVERSION_PRESETS", "Fuse", "Split", "Stack", "Transpose", "Unstack", "convert"),
+        "convert",
+    ),
     **dict.fromkeys(("Changed", "KeyDiff", "Mismatch", "TensorMeta", "diff"), "diff"),
     **dict.fromkeys(
         (
             "CheckpointReadError",
+            "ConversionError",
+            "CheckpointWriteError",
             "DSDMergeError",
             "DSDMergeWarning",
             "LayoutError",
@@ -179,6 +200,14 @@ __all__ = [
     "Resized",
     "OnShapeMismatch",
     "rekey",
+    # Layout conversions
+    "convert",
+    "Fuse",
+    "Split",
+    "Stack",
+    "Unstack",
+    "Transpose",
+    "CONVERSION_PRESETS",
     # Errors and warnings
     "DSDMergeError",
     "LayoutError",
@@ -186,8 +215,10 @@ __all__ = [
     "StateDictTypeError",
     "InvalidPolicyError",
     "CheckpointReadError",
+    "CheckpointWriteError",
     "UnsafeCheckpointError",
     "PatternError",
     "RenameError",
+    "ConversionError",
     "DSDMergeWarning",
 ]

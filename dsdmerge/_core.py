@@ -30,6 +30,7 @@ from dsdmerge._groups import most_common
 from dsdmerge._records import KeyDiff, Mismatch
 from dsdmerge._trees import copy_tree
 from dsdmerge._values import MISSING, short_repr
+from dsdmerge.convert import Conversions
 from dsdmerge.merge import Merged, apply_policy, merge_resolved, reshaped
 from dsdmerge.policy import Policy
 from dsdmerge.rename import Rules
@@ -55,6 +56,7 @@ def merge_under(
     *,
     stacklevel: int,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> Merged:
     """:func:`dsdmerge.merge_with_diff` under a resolved policy, warnings at ``stacklevel``.
@@ -67,6 +69,7 @@ def merge_under(
         policy,
         stacklevel=stacklevel + 2,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
 

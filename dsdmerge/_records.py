@@ -311,6 +311,11 @@ class KeyDiff:
             layer). Never applied by themselves; empty when none.
         resized: The tensors a merge with ``on_shape_mismatch="resize"`` resized
             (:class:`~dsdmerge.Resized`); empty otherwise.
+        conversions: Suggested layout conversions: names of presets in
+            :data:`~dsdmerge.CONVERSION_PRESETS` that would turn unexpected keys into
+            missing keys of the same shapes and dtypes (``"qkv"`` for separate q/k/v
+            projections against a fused ``qkv_proj``), for ``convert=``. Filled by
+            :func:`~dsdmerge.diff`; never applied by themselves.
 
     ``bool(diff)`` is ``False`` iff missing, unexpected, mismatched and changed
     are all empty; ``str(diff)`` is a readable report.
@@ -328,6 +333,7 @@ class KeyDiff:
     changed: tuple[Changed, ...] = ()
     renames: tuple[SuggestedRename, ...] = ()
     resized: tuple[Resized, ...] = ()
+    conversions: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched or self.changed)
@@ -345,6 +351,7 @@ class KeyDiff:
                 ("changed", self.changed),
                 ("renames", self.renames),
                 ("resized", self.resized),
+                ("conversions", self.conversions),
             )
             if v
         ]
@@ -387,6 +394,8 @@ class KeyDiff:
         }
         if self.changed:
             out["changed"] = [c.to_dict() for c in self.changed]
+        if self.conversions:
+            out["conversions"] = list(self.conversions)
         return out
 
 

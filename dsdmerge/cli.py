@@ -8,7 +8,8 @@ Subcommands:
   report; exit 0 when nothing differs, 1 when something does, 2 on error.
 * ``dsdmerge merge CHECKPOINT REFERENCE -o OUT``: merge under a policy and write
   the result atomically, in the format OUT's name says (``--format`` must agree);
-  ``--force`` replaces only a checkpoint file or a DCP checkpoint directory.
+  ``--force`` replaces only a checkpoint file, or a directory holding only what dsdmerge
+  writes there.
 * ``dsdmerge demo``: the resume story on a built-in tiny model.
 
 PATH may be a torch ``.pt``/``.pth``/``.bin`` file, a ``.safetensors`` file or
@@ -27,10 +28,7 @@ import json
 import math
 import os
 import re
-import shutil
-import stat
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -38,18 +36,17 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from pathlib import Path
 from typing import IO, Any
 
+from dsdmerge._text import escaped
+from dsdmerge.errors import DSDMergeError, DSDMergeWarning, StateDictTypeError
+from dsdmerge.integrations import writing
+
 __all__ = [
     "EXIT_DIFFERS",
     "EXIT_ERROR",
     "EXIT_OK",
     "CLIError",
-    "FORMATS",
-    "HFPlan",
     "build_parser",
     "main",
-    "output_format",
-    "reference_state_dict",
-    "write_checkpoint",
 ]
 
 EXIT_OK = 0
@@ -67,8 +64,8 @@ _TRUST_HELP = (
 )
 
 
-class CLIError(Exception):
-    """A problem the command line reports in one line and exits 2 for."""
+class CLIError(DSDMergeError, ValueError):
+    """A problem with the command line's arguments, reported in one line (exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +154,7 @@ class _Progress:
     def step(self, what: str) -> None:
         """Start step ``what`` (the previous one is done)."""
         if self._bar is not None:
-            self._bar.set_postfix_str(what, refresh=False)
+            self._bar.set_postfix_str(escaped(what), refresh=False)
 
     def done(self, n: int = 1) -> None:
         """``n`` more units done."""
@@ -399,19 +396,19 @@ def _inspect(args: argparse.Namespace) -> int:
             [*(f"--only {g!r}" for g in keep.only), *(f"--exclude {g!r}" for g in keep.exclude)]
         )
         rows.append(("filter", f"{shown} ({len(data.keys):,} of {len(whole.keys):,} keys)"))
-    print(style.paint(_named(data.path, args.key), "1"))
+    print(style.paint(escaped(_named(data.path, args.key)), "1"))
     if style.table:
         for name, value in rows:
-            print(f"  {name:<8} {value}")
+            _say(f"  {name:<8} {value}")
     else:
         for name, value in rows:
-            print(f"  {name}: {value}")
+            _say(f"  {name}: {value}")
     if stat is not None:
         print("  per top-level key:")
         table = [("", "keys", "tensors", "bytes")]
         table += [(prefix, f"{n:,}", f"{t:,}", _bytes(b)) for prefix, n, t, b in stat]
         for line in _aligned(table, right=(1, 2, 3)):
-            print(f"    {line}")
+            _say(f"    {line}")
     n = len(patterns)
     print(f"  key patterns ({n:,}):" if n else "  no keys")
     lines = render_patterns(patterns, limit=args.limit, table=style.table, color=style.color)
@@ -500,14 +497,19 @@ class _Allowed:
         }
 
 
-def _renamed_keys(view: Mapping[str, Any], rules: Any) -> list[str]:
-    """The checkpoint's keys after ``--rename``/``--strip-prefix``/``--preset``."""
-    if not rules:
+def _renamed_keys(view: Mapping[str, Any], rules: Any, convert: Any = None) -> list[str]:
+    """The checkpoint's keys after ``--rename``/``--strip-prefix``/``--preset``, ``--convert``."""
+    if not rules and not convert:
         return list(view)
+    from dsdmerge.convert import convert_checkpoint
     from dsdmerge.rename import rename_checkpoint
 
     try:
-        return list(rename_checkpoint(view, rules)[0])
+        renamed = rename_checkpoint(view, rules)[0] if rules else view
+        if not convert:
+            return list(renamed)
+        # (quiet: the diff or merge itself reported what converting warns about)
+        return list(convert_checkpoint(renamed, convert, stacklevel=2, quiet=True))
     except Exception:  # noqa: BLE001 - the diff or merge itself reports a bad rule
         return list(view)
 
@@ -544,10 +546,16 @@ def _diff(args: argparse.Namespace) -> int:
         progress.step("comparing")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", dm.DSDMergeWarning)
-            whole = dm.diff(ckpt, ref, rename=_rename_rules(args), values=not args.ignore_values)
+            whole = dm.diff(
+                ckpt,
+                ref,
+                rename=_rename_rules(args),
+                convert=_conversions(args),
+                values=not args.ignore_values,
+            )
         progress.done()
     _print_warnings(caught)
-    ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+    ckpt_keys = _renamed_keys(ckpt, _rename_rules(args), _conversions(args))
     unmatched = allowed.unmatched(ckpt_keys, list(ref))
     _warn_unmatched(unmatched, None)
     filters_unmatched = keep.unmatched([*ckpt_keys, *ref])
@@ -582,12 +590,14 @@ def _diff(args: argparse.Namespace) -> int:
         else:
             style = _Style.of(sys.stdout, args.color)
             for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
-                print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+                _say(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
             if args.stat:
                 _print_diff_stat(_diff_stat(ckpt_keys, ref, d, keep))
             print(render(d, limit=args.limit, table=style.table, color=style.color))
             if d.renames:
-                print(f"to apply: {_rename_options(d.renames)}")
+                _say(f"to apply: {_rename_options(d.renames)}")
+            if d.conversions:
+                _say(f"to convert: {' '.join(f'--convert {c}' for c in d.conversions)}")
             if ok_missing or ok_unexpected:
                 parts = [
                     f"{n:,} {what}"
@@ -598,7 +608,7 @@ def _diff(args: argparse.Namespace) -> int:
                     if n
                 ]
                 verdict = "nothing else differs" if not differs else "other differences remain"
-                print(f"allowed: {', '.join(parts)}; {verdict}")
+                _say(f"allowed: {', '.join(parts)}; {verdict}")
     return EXIT_DIFFERS if differs else EXIT_OK
 
 
@@ -646,7 +656,7 @@ def _print_diff_stat(rows: Sequence[Mapping[str, Any]]) -> None:
     table = [("top-level key", *columns)]
     table += [(r["prefix"], *(f"{r[c]:,}" for c in columns)) for r in rows]
     for line in _aligned(table, right=range(1, len(columns) + 1)):
-        print(f"  {line}")
+        _say(f"  {line}")
 
 
 # -- rename options --------------------------------------------------------------------
@@ -707,6 +717,24 @@ def _add_rename_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="a named rename rule for a wrapper: " + ", ".join(_PRESET_NAMES) + "; repeatable",
     )
+
+
+def _add_convert_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--convert",
+        action="append",
+        dest="conversions",
+        choices=_CONVERSION_NAMES,
+        metavar="PRESET",
+        help="convert the checkpoint's layout next (after renames), optimizer state included: "
+        + ", ".join(_CONVERSION_NAMES)
+        + " (see docs/conversions.md); repeatable, applied in order",
+    )
+
+
+def _conversions(args: argparse.Namespace) -> list[str] | None:
+    found: list[str] | None = getattr(args, "conversions", None)
+    return found or None
 
 
 def _rename_rules(args: argparse.Namespace) -> list[Any] | None:
@@ -809,6 +837,7 @@ def _check(args: argparse.Namespace) -> int:
                     allow_missing=allowed.missing,
                     allow_unexpected=allowed.unexpected,
                     rename=rules,
+                    convert=_conversions(args),
                     on_shape_mismatch=shapes,
                 )
             except dm.MergeError as err:
@@ -824,6 +853,8 @@ def _check(args: argparse.Namespace) -> int:
     ]
     renamed = _renamed_pairs(ckpt, rules)
     ckpt_keys = [dict(renamed).get(k, k) for k in ckpt] if renamed else list(ckpt)
+    if _conversions(args):
+        ckpt_keys = _renamed_keys(ckpt, rules, _conversions(args))
     unmatched = allowed.unmatched(ckpt_keys, list(ref))
     ok_missing, _missing, ok_unexpected, _unexpected = allowed.split(d)
     accepted = not errors
@@ -855,10 +886,10 @@ def _check(args: argparse.Namespace) -> int:
     _warn_unmatched(unmatched, None)
     style = _Style.of(sys.stdout, args.color)
     for label, view, key in (("checkpoint", ckpt, ckpt_key), ("reference", ref, ref_key)):
-        print(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
+        _say(f"{label}: {_named(view.path, key)} ({view.format}, {len(view):,} keys)")
     print(render(d, limit=args.limit, table=style.table, color=style.color))
     if renamed:
-        print(
+        _say(
             f"{len(renamed):,} checkpoint keys renamed first, e.g. {renamed[0][0]} -> "
             f"{renamed[0][1]} ({format_keys([a for a, _ in renamed], limit=3)})"
         )
@@ -867,7 +898,7 @@ def _check(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(style.paint(f"policy {policy.name!r} rejects the merge:", "31"))
     for line in errors:
-        print(f"  - {line}")
+        _say(f"  - {line}")
     return EXIT_DIFFERS
 
 
@@ -889,8 +920,11 @@ def _merge(args: argparse.Namespace) -> int:
     out = Path(args.out)
     ckpt_key, ref_key = _keys_of(args)
     ckpt_format = detect_format(args.checkpoint)
-    fmt = output_format(out, args.format, directory="hf" if ckpt_format == "hf" else "dcp")
-    _check_out(out, force=args.force, fmt=fmt)
+    fmt = writing.output_format(out, args.format, directory="hf" if ckpt_format == "hf" else "dcp")
+    writing.recover_interrupted(out)
+    writing.check_destination(out, force=args.force, fmt=fmt)
+    if fmt == "hf":  # the files it would copy, checked before anything is loaded
+        writing.hf_plan({}, args.checkpoint, args.reference, ckpt_format)
     trusted = _trusted(args)
     allowed = _Allowed.of(args)
     with _Progress("merge", 4) as progress:
@@ -918,7 +952,9 @@ def _merge(args: argparse.Namespace) -> int:
                     allow_missing=allowed.missing,
                     allow_unexpected=allowed.unexpected,
                     rename=_rename_rules(args),
+                    convert=_conversions(args),
                     on_shape_mismatch=args.on_shape_mismatch.replace("-", "_"),
+                    max_resize_bytes=args.max_bytes,
                 )
             except dm.MergeError as err:
                 progress.close()
@@ -927,100 +963,34 @@ def _merge(args: argparse.Namespace) -> int:
                 return EXIT_DIFFERS
         progress.done()
         _print_warnings(caught)
-        ckpt_keys = _renamed_keys(ckpt, _rename_rules(args))
+        ckpt_keys = _renamed_keys(ckpt, _rename_rules(args), _conversions(args))
         _warn_unmatched(allowed.unmatched(ckpt_keys, list(ref)), None)
         result = merged.state_dict
         if ckpt_key:  # the whole checkpoint, its part at --ckpt-key merged
             result = replace_part(whole, ckpt_key, result)
-        _check_out(out, force=args.force, fmt=fmt)  # again: it may have appeared meanwhile
+        writing.check_destination(
+            out, force=args.force, fmt=fmt
+        )  # again: it may have appeared meanwhile
         progress.step(f"writing {out}")
         plan = (
-            _hf_plan(result, args.checkpoint, args.reference, ckpt_format) if fmt == "hf" else None
+            writing.hf_plan(result, args.checkpoint, args.reference, ckpt_format)
+            if fmt == "hf"
+            else None
         )
-        write_checkpoint(result, out, fmt, force=args.force, metadata=metadata, hf=plan)
+        writing.write_checkpoint(result, out, fmt, force=args.force, metadata=metadata, hf=plan)
         progress.done()
-    style = _Style.of(sys.stdout, args.color)
-    part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
-    print(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
-    if merged.diff:
-        print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
+    # OUT is written: the status says so, whatever becomes of the report
+    try:
+        with _reader_may_leave():
+            style = _Style.of(sys.stdout, args.color)
+            part = f"; {ckpt_key!r} merged, the rest as it was" if ckpt_key else ""
+            _say(f"wrote {out} ({fmt}, {len(dm.flatten(result)):,} keys{part})")
+            if merged.diff:
+                print(render(merged.diff, limit=args.limit, table=style.table, color=style.color))
+    except (OSError, ValueError):  # stdout gone (EIO, closed)
+        with contextlib.suppress(Exception):
+            _stderr(f"dsdmerge: wrote {out}; its report could not be printed")
     return EXIT_OK
-
-
-@dataclasses.dataclass(frozen=True)
-class HFPlan:
-    """How ``merge`` writes a Hugging Face directory: shards, their metadata, the index.
-
-    Attributes:
-        shard_of: Each key's shard file name.
-        shard_metadata: Each shard's ``__metadata__``.
-        index: The index file's name, or ``None`` for one unsharded weights file.
-        index_metadata: The index's ``"metadata"`` (``total_size`` is recomputed).
-        extra_files: Other files copied into the directory (``config.json`` ...), by name.
-    """
-
-    shard_of: dict[str, str]
-    shard_metadata: dict[str, dict[str, str]]
-    index: str | None
-    index_metadata: dict[str, Any]
-    extra_files: dict[str, str]
-
-
-_HF_EXTRA = re.compile(r"[^/]+\.(json|txt|model|jinja|md|tiktoken|py)")
-"""Files of a Hugging Face directory that ``merge`` copies next to the weights (config ...)."""
-
-
-def _hf_extra_files(directory: str, skip: Collection[str]) -> dict[str, str]:
-    """Regular files (symlinks followed) of a Hugging Face directory worth carrying over."""
-    out: dict[str, str] = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name in skip or name.endswith(".safetensors") or not _HF_EXTRA.fullmatch(name):
-            continue
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(os.stat(path).st_mode):
-                out[name] = path
-    return out
-
-
-def _hf_plan(
-    result: Mapping[str, Any], checkpoint: str, reference: str, ckpt_format: str
-) -> HFPlan:
-    """How to write ``result`` as a Hugging Face directory like the checkpoint's.
-
-    Shards as the checkpoint has them; keys only the reference had go where its index
-    puts them (when the checkpoint has that shard), else into the last shard; config and
-    other small files come from the reference's directory (the model you have now), else
-    the checkpoint's. A checkpoint that is not a Hugging Face directory is written as one
-    unsharded ``model.safetensors``.
-    """
-    from dsdmerge.integrations.checkpoints import detect_format, hf_shards
-
-    ref_format = detect_format(reference)
-    ref_shard_of: dict[str, str] = {}
-    ref_dir = None
-    if ref_format == "hf":
-        ref_layout, ref_shard_of, _ = hf_shards(reference)
-        ref_dir = ref_layout.directory
-    if ckpt_format != "hf":
-        extra = _hf_extra_files(ref_dir, ()) if ref_dir else {}
-        return HFPlan(
-            dict.fromkeys(result, "model.safetensors"),
-            {"model.safetensors": {"format": "pt"}},
-            None,
-            {},
-            extra,
-        )
-    layout, shard_of, shard_metadata = hf_shards(checkpoint)
-    last = layout.shards[-1]
-    names = set(layout.shards)
-    plan = {}
-    for key in result:
-        shard = shard_of.get(key) or ref_shard_of.get(key)
-        plan[key] = shard if shard in names else last
-    skip = {layout.index or "", *layout.shards}
-    extra = _hf_extra_files(ref_dir or layout.directory, skip)
-    return HFPlan(plan, shard_metadata, layout.index, dict(layout.metadata), extra)
 
 
 _ADVICE = (
@@ -1029,401 +999,21 @@ _ADVICE = (
     ("merge with dsdmerge.Policy(shape='warn')", "pass --on-shape-mismatch take-reference"),
     ("on_shape_mismatch='resize'", "--on-shape-mismatch resize"),
     ("on_shape_mismatch='take_reference'", "--on-shape-mismatch take-reference"),
+    ("Pass max_resize_bytes=<bytes>", "Pass --max-bytes BYTES"),
     ("pass rename={", "pass --rename PATTERN=REPLACEMENT for each of {"),
+    ("pass force=True", "pass --force"),
+    ("force=True replaces only", "--force replaces only"),
+    ("or ask for a format: ", "or pass --format "),
+    ("or ask for none to write", "or drop --format to write"),
 )
+_ASKED = re.compile(r"the format (\w+) was asked for")
 
 
 def _cli_advice(text: str) -> str:
     """The library's advice, spelled as command-line options."""
     for api, option in _ADVICE:
         text = text.replace(api, option)
-    return text
-
-
-FORMATS = ("torch", "safetensors", "dcp", "hf")
-"""The formats ``merge`` writes (``--format``)."""
-
-_SUFFIX_FORMAT = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".safetensors": "safetensors"}
-_NAMES = {
-    "torch": "a .pt, .pth or .bin file name",
-    "safetensors": "a .safetensors file name",
-    "dcp": "a directory name without a suffix",
-    "hf": "a directory name without a suffix",
-}
-
-
-def output_format(out: Path, requested: str | None = None, /, *, directory: str = "dcp") -> str:
-    """The format ``OUT``'s name says, checked against ``--format``.
-
-    ``.pt``/``.pth``/``.bin``: torch; ``.safetensors``: safetensors; no suffix: a
-    directory, of the format ``directory`` says (``merge`` passes ``"hf"`` when the
-    checkpoint is a Hugging Face directory, so the result keeps its layout), unless
-    ``--format`` says DCP or HF. Another suffix says nothing, so ``--format`` must.
-    Does not touch the file system.
-
-    Args:
-        out: The output path.
-        requested: ``--format`` (``None`` when not given).
-        directory: The format of a name without a suffix: ``"dcp"`` or ``"hf"``.
-
-    Returns:
-        ``"torch"``, ``"safetensors"``, ``"dcp"`` or ``"hf"``.
-
-    Raises:
-        CLIError: The name and ``--format`` disagree, or neither says a format.
-
-    Examples:
-        >>> from pathlib import Path
-        >>> from dsdmerge.cli import output_format
-        >>> output_format(Path("resume.pt")), output_format(Path("merged"))
-        ('torch', 'dcp')
-        >>> output_format(Path("merged"), directory="hf"), output_format(Path("m"), "hf")
-        ('hf', 'hf')
-    """
-    suffix = out.suffix.lower()
-    named = _SUFFIX_FORMAT.get(suffix) if suffix else directory
-    if requested is None:
-        if named is None:
-            raise CLIError(
-                f"{out}: the name does not say a format ({suffix!r}); name it .pt, .pth or "
-                ".bin (torch), .safetensors, or a directory without a suffix (DCP, or a "
-                "Hugging Face directory), or pass --format torch|safetensors|dcp|hf"
-            )
-        return named
-    if not suffix and requested in ("dcp", "hf"):
-        return requested
-    if named is not None and named != requested:
-        raise CLIError(
-            f"{out}: the name says {named} but --format {requested} was given; for "
-            f"{requested} use {_NAMES[requested]}, or drop --format to write {named}"
-        )
-    return requested
-
-
-_DCP_FILES = re.compile(r"\.metadata|.+\.distcp")
-
-
-def _not_a_dcp_checkpoint(out: Path) -> str | None:
-    """Why directory ``out`` is not a DCP checkpoint (``None`` when it is one)."""
-    try:
-        names = sorted(os.listdir(out))
-    except OSError as err:
-        return f"cannot be listed ({' '.join(str(err).split())})"
-    if ".metadata" not in names:
-        return "has no .metadata file"
-    for name in names:
-        if not _DCP_FILES.fullmatch(name):
-            return f"holds {name!r}, which is not a DCP checkpoint file"
-        if not stat.S_ISREG(os.lstat(out / name).st_mode):
-            return f"holds {name!r}, which is not a regular file"
-    return None
-
-
-def _not_an_hf_checkpoint(out: Path) -> str | None:
-    """Why directory ``out`` is not a Hugging Face model directory (``None`` when it is one).
-
-    One is regular files only: ``*.safetensors`` weights (at least one), their index,
-    and the small files ``merge`` carries over (``config.json``, tokenizer files ...).
-    """
-    try:
-        names = sorted(os.listdir(out))
-    except OSError as err:
-        return f"cannot be listed ({' '.join(str(err).split())})"
-    if not any(n.endswith(".safetensors") for n in names):
-        return "holds no .safetensors file"
-    for name in names:
-        if not (name.endswith(".safetensors") or _HF_EXTRA.fullmatch(name)):
-            return f"holds {name!r}, which is not a file of a Hugging Face model directory"
-        if not stat.S_ISREG(os.lstat(out / name).st_mode):
-            return f"holds {name!r}, which is not a regular file"
-    return None
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "symbolic link"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _check_out(out: Path, *, force: bool, fmt: str | None = None) -> None:
-    """Refuse an OUT that exists (without ``--force``) or that ``--force`` may not replace.
-
-    ``--force`` replaces a regular file (for torch and safetensors) or a directory that
-    is a DCP checkpoint (``.metadata`` and ``*.distcp`` files only, for DCP); never a
-    directory of anything else, a link, a device or a FIFO.
-    """
-    if not out.parent.is_dir():
-        raise CLIError(f"{out}: directory {out.parent} does not exist")
-    try:
-        mode = os.lstat(out).st_mode
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        raise CLIError(f"{out}: cannot be checked: {' '.join(str(err).split())}") from err
-    if not force:
-        raise CLIError(f"{out}: already exists; pass --force to replace it")
-    nothing = "nothing was replaced"
-    if stat.S_ISREG(mode):
-        if fmt in ("dcp", "hf"):
-            kind = "a DCP checkpoint" if fmt == "dcp" else "a Hugging Face model"
-            raise CLIError(
-                f"{out}: is a file, and {kind} is a directory; remove it or choose "
-                f"another OUT ({nothing})"
-            )
-        return
-    if stat.S_ISDIR(mode):
-        if fmt not in (None, "dcp", "hf"):
-            raise CLIError(f"{out}: is a directory; a {fmt} checkpoint is one file ({nothing})")
-        if fmt == "hf":
-            problem = _not_an_hf_checkpoint(out)
-            kind = "a Hugging Face model directory"
-        else:
-            problem = _not_a_dcp_checkpoint(out)
-            kind = "a DCP checkpoint directory"
-        if problem:
-            raise CLIError(
-                f"{out}: --force replaces only {kind}, and this one {problem} ({nothing})"
-            )
-        return
-    raise CLIError(
-        f"{out}: is a {_kind(mode)}, not a checkpoint file or directory; --force replaces "
-        f"only those ({nothing})"
-    )
-
-
-def write_checkpoint(
-    state_dict: Mapping[str, Any],
-    out: Path,
-    fmt: str,
-    *,
-    force: bool,
-    metadata: Mapping[str, str] | None = None,
-    hf: HFPlan | None = None,
-) -> None:
-    """Write ``state_dict`` to ``out`` in format ``fmt``, atomically.
-
-    The data goes to a temporary file (or directory) next to ``out``, which is
-    renamed over ``out`` only once complete, so a failure part-way leaves
-    ``out`` as it was (absent, or the old checkpoint) and no temporary behind.
-    With ``force``, ``out`` may be replaced if it is a regular file (torch,
-    safetensors) or a DCP checkpoint directory (dcp), even a read-only one the user
-    may rename (as ``mv`` would); anything else is refused. The new file keeps the
-    old one's permission bits (never setuid, setgid or sticky).
-
-    Args:
-        state_dict: The state dict to write.
-        out: The destination.
-        fmt: ``"torch"``, ``"safetensors"``, ``"dcp"`` or ``"hf"`` (a Hugging Face
-            model directory: safetensors shards and their index).
-        force: Replace an existing ``out``.
-        metadata: safetensors only: the header's ``__metadata__`` strings.
-        hf: ``"hf"`` only: the shards, their metadata, the index and the files to
-            copy (by default one ``model.safetensors``).
-
-    Raises:
-        CLIError: ``out`` exists and ``force`` is false or it may not be replaced,
-            or the state dict cannot be written in that format.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> from dsdmerge.cli import write_checkpoint
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     write_checkpoint({"w": torch.ones(2)}, Path(tmp, "m.pt"), "torch", force=False)
-        ...     sorted(p.name for p in Path(tmp).iterdir())
-        ['m.pt']
-    """
-    writers: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
-        "torch": _write_torch,
-        "safetensors": lambda sd, tmp: _write_safetensors(sd, tmp, metadata),
-        "dcp": _write_dcp,
-        "hf": lambda sd, tmp: _write_hf(sd, tmp, hf),
-    }
-    if fmt not in writers:
-        raise CLIError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    write = writers[fmt]
-    _check_out(out, force=force, fmt=fmt)
-    parent = out.parent
-    directory = fmt in ("dcp", "hf")
-    mode = _file_mode(out, directory=directory)
-    if directory:
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp"))
-    else:
-        fd, name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
-    try:
-        os.chmod(tmp, 0o700 if directory else 0o600)  # private until complete
-        write(state_dict, tmp)
-        os.chmod(tmp, mode)  # after writing: a writer may have made the file anew
-        _replace(tmp, out, force=force, fmt=fmt)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _file_mode(out: Path, *, directory: bool = False) -> int:
-    """The permission bits of what is being replaced, else what ``open()``/``mkdir()`` make.
-
-    Never the setuid, setgid or sticky bit.
-    """
-    with contextlib.suppress(OSError):
-        return os.stat(out).st_mode & 0o777
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
-
-
-def _replace(tmp: Path, out: Path, *, force: bool, fmt: str | None = None) -> None:
-    if not (out.exists() or out.is_symlink()):
-        if tmp.is_dir():
-            os.rename(tmp, out)
-        else:
-            # link, not rename: fails instead of replacing an OUT that appeared meanwhile
-            try:
-                os.link(tmp, out)
-            except FileExistsError:
-                raise CLIError(f"{out}: already exists; pass --force to replace it") from None
-            except OSError:  # no hard links on this file system
-                os.replace(tmp, out)
-                return
-            tmp.unlink()
-        return
-    _check_out(out, force=force, fmt=fmt or ("dcp" if tmp.is_dir() else None))
-    if tmp.is_dir():
-        # A directory cannot be renamed over a non-empty one: move the old one aside first.
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
-        os.rename(out, old / "ckpt")
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old / "ckpt", out)
-            _remove_old(old)
-            raise
-        _remove_old(old)
-        return
-    os.replace(tmp, out)
-
-
-def _remove_old(old: Path) -> None:
-    """Delete a replaced DCP checkpoint (moved into ``old``), read-only or not."""
-    ckpt = old / "ckpt"
-    with contextlib.suppress(OSError):
-        if ckpt.is_dir() and not ckpt.is_symlink():
-            os.chmod(ckpt, stat.S_IMODE(os.lstat(ckpt).st_mode) | stat.S_IRWXU)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _write_torch(state_dict: Mapping[str, Any], tmp: Path) -> None:
-    import torch
-
-    try:
-        torch.save(state_dict, tmp)
-    except RecursionError:
-        raise CLIError(
-            "cannot write a torch checkpoint: a value is nested too deeply for torch.save"
-        ) from None
-    _fsync(tmp)
-
-
-def _write_safetensors(
-    state_dict: Mapping[str, Any], tmp: Path, metadata: Mapping[str, str] | None = None
-) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    bad = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
-    if bad:
-        from dsdmerge.report import format_keys
-
-        raise CLIError(
-            f"cannot write safetensors: {len(bad)} value(s) are not tensors "
-            f"({format_keys(bad, limit=3)}); merge into a torch checkpoint instead"
-        )
-    try:
-        save_file(dict(state_dict), str(tmp), metadata=dict(metadata) if metadata else None)
-    except (RuntimeError, ValueError) as err:
-        raise CLIError(f"cannot write safetensors: {' '.join(str(err).split())}") from err
-    _fsync(tmp)
-
-
-def _write_hf(state_dict: Mapping[str, Any], tmp: Path, plan: HFPlan | None) -> None:
-    """A Hugging Face model directory: shards as planned, their index, the copied files."""
-    if plan is None:
-        plan = HFPlan(
-            dict.fromkeys(state_dict, "model.safetensors"),
-            {"model.safetensors": {"format": "pt"}},
-            None,
-            {},
-            {},
-        )
-    shards: dict[str, dict[str, Any]] = {}
-    for key, value in state_dict.items():
-        shards.setdefault(plan.shard_of.get(key, "model.safetensors"), {})[key] = value
-    total = 0
-    weight_map: dict[str, str] = {}
-    for name in sorted(shards):
-        part = shards[name]
-        metadata = plan.shard_metadata.get(name) or {"format": "pt"}
-        _write_safetensors(part, tmp / name, metadata)
-        total += sum(v.numel() * v.element_size() for v in part.values())
-        weight_map.update(dict.fromkeys(part, name))
-    if plan.index is not None:
-        index = {
-            "metadata": {**plan.index_metadata, "total_size": total},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        with open(tmp / plan.index, "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    for name, source in plan.extra_files.items():
-        if name not in shards and name != plan.index:
-            shutil.copyfile(source, tmp / name)
-            _fsync(tmp / name)
-
-
-def _write_dcp(state_dict: Mapping[str, Any], tmp: Path) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-            save(dict(state_dict), storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
-    except CheckpointException as err:  # a BaseException: would escape `except Exception`
-        cause: BaseException = err
-        for pair in getattr(err, "failures", {}).values():
-            if isinstance(pair, tuple) and pair and isinstance(pair[0], BaseException):
-                cause = pair[0]
-                break
-        if isinstance(cause, OSError):
-            raise cause from None
-        raise CLIError(
-            f"cannot write a DCP checkpoint: {type(cause).__name__}: "
-            f"{' '.join(str(cause).split())[:300]}"
-        ) from None
+    return _ASKED.sub(r"--format \1 was given", text)
 
 
 # -- reference -----------------------------------------------------------------------
@@ -1464,87 +1054,26 @@ def _load_builder(spec: str) -> Callable[[], Any]:
     return builder  # type: ignore[no-any-return]
 
 
-def reference_state_dict(built: Any, /, *, optimizer_layout: str = "fqn") -> dict[str, Any]:
-    """The state dicts a fresh model and optimizer hold, as ``dsdmerge reference`` writes them.
-
-    ``built`` is a model, ``(model, optimizer)``, or a dict of parts (models, optimizers,
-    other values kept as they are). A model gives ``model.state_dict()``; an optimizer
-    gives DSD's ``get_optimizer_state_dict(model, optimizer)`` (flattened with
-    ``optimizer_layout="flat"``; ``"ids"``: ``optimizer.state_dict()`` after it), whose
-    zero-gradient step gives every parameter its state: a fresh optimizer's own
-    ``state_dict()`` has none. That step changes the (fresh, throwaway) optimizer.
-
-    Args:
-        built: What the builder returned.
-        optimizer_layout: ``"flat"``, ``"fqn"`` or ``"ids"``.
-
-    Returns:
-        The state dict to save (``{"model": ..., "optim": ...}`` for a pair).
-
-    Raises:
-        CLIError: ``built`` is none of the above.
-
-    Examples:
-        >>> import torch
-        >>> from dsdmerge.cli import reference_state_dict
-        >>> model = torch.nn.Linear(2, 1)
-        >>> sd = reference_state_dict((model, torch.optim.Adam(model.parameters())))
-        >>> sorted(sd), float(sd["optim"]["state"]["weight"]["step"])
-        (['model', 'optim'], 1.0)
-    """
-    import torch
-
-    if isinstance(built, torch.nn.Module):
-        return dict(built.state_dict())
-    if isinstance(built, (tuple, list)) and len(built) == 2:
-        built = {"model": built[0], "optim": built[1]}
-    if not isinstance(built, Mapping):
-        raise CLIError(
-            f"BUILDER returned a {type(built).__name__}; return a model, (model, optimizer) "
-            'or a dict such as {"model": model, "optim": optimizer}'
-        )
-    models = [v for v in built.values() if isinstance(v, torch.nn.Module)]
-    out: dict[str, Any] = {}
-    for name, value in built.items():
-        if isinstance(value, torch.nn.Module):
-            out[str(name)] = dict(value.state_dict())
-        elif isinstance(value, torch.optim.Optimizer):
-            if len(models) != 1:
-                raise CLIError(
-                    f"BUILDER returned {len(models)} models next to optimizer {name!r}; "
-                    "return the one model its parameters belong to"
-                )
-            out[str(name)] = _optimizer_reference(models[0], value, optimizer_layout)
-        else:
-            out[str(name)] = value
-    return out
-
-
-def _optimizer_reference(model: Any, optimizer: Any, layout: str) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(flatten_optimizer_state_dict=layout == "flat")
-    osd = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    return dict(optimizer.state_dict()) if layout == "ids" else osd
-
-
 def _reference(args: argparse.Namespace) -> int:
     import dsdmerge as dm
 
     out = Path(args.out)
-    fmt = output_format(out, args.format)
-    _check_out(out, force=args.force, fmt=fmt)
+    fmt = writing.output_format(out, args.format)
+    writing.recover_interrupted(out)
+    writing.check_destination(out, force=args.force, fmt=fmt)
+    from dsdmerge.integrations.reference import reference_state_dict
+
     built = _load_builder(args.builder)()
-    state_dict = reference_state_dict(built, optimizer_layout=args.optimizer_layout)
-    write_checkpoint(state_dict, out, fmt, force=args.force)
+    try:
+        state_dict = reference_state_dict(built, optimizer_layout=args.optimizer_layout)
+    except StateDictTypeError as err:
+        raise CLIError(f"BUILDER {args.builder!r} returned {err}") from None
+    writing.write_checkpoint(state_dict, out, fmt, force=args.force)
     n = len(dm.flatten(state_dict))
     if isinstance(built, (Mapping, tuple, list)):
-        print(f"wrote {out} ({fmt}, {n:,} keys; parts {', '.join(map(repr, state_dict))})")
+        _say(f"wrote {out} ({fmt}, {n:,} keys; parts {', '.join(map(repr, state_dict))})")
     else:
-        print(f"wrote {out} ({fmt}, {n:,} keys: the model's state_dict())")
+        _say(f"wrote {out} ({fmt}, {n:,} keys: the model's state_dict())")
     return EXIT_OK
 
 
@@ -1566,8 +1095,22 @@ def _print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2))
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
+def _say(line: str) -> None:
+    """Print a line that holds names from a checkpoint (keys, paths, metadata), escaped.
+
+    A character that does not print (ESC, CR, LF, a bidirectional override) is
+    written as its escape, so a crafted name cannot move the cursor, recolour the
+    terminal or print a fake line; ``--json`` keeps every name exact.
+    """
+    print(escaped(line))
+
+
+def _stderr(text: str) -> None:
+    """Print a message on stderr, its own lines kept.
+
+    Anything else that does not print (ESC, CR, a name's control characters) is escaped.
+    """
+    print("\n".join(map(escaped, text.split("\n"))), file=sys.stderr)
 
 
 def _one_line(err: BaseException) -> str:
@@ -1642,7 +1185,10 @@ when the checkpoint is one; --format must agree): every checkpoint value kept, e
 key only the reference has taken from it. With --ckpt-key (or --key) the whole
 checkpoint is written, its part at that key merged. OUT is written atomically (a
 temporary next to it, renamed when complete) and never replaced without --force;
---force replaces only a checkpoint file or a DCP or Hugging Face checkpoint directory.
+--force replaces only a checkpoint file, or a directory holding only what dsdmerge writes
+there (.metadata and __R_N.distcp; model*.safetensors, the index, config and tokenizer
+files). A Hugging Face result copies only the reference's config, tokenizer, processor and
+model-code files, each a regular file inside its directory; a link out is refused.
 """,
     "reference": """\
 examples:
@@ -1662,15 +1208,27 @@ example:
 """,
 }
 
-_PRESET_NAMES = ("ddp", "compile", "checkpoint_wrapper", "fsdp1", "peft", "lora")
+_PRESET_NAMES = (
+    "ddp",
+    "compile",
+    "checkpoint_wrapper",
+    "fsdp1",
+    "peft",
+    "lora",
+    "to_peft",
+    "lora_adapter_name",
+    "to_lora_adapter_name",
+)
 """``--preset`` choices: the names of ``dsdmerge.RENAME_PRESETS``, spelled here so that
 building the parser imports nothing heavy (a test keeps the two equal)."""
+# dsdmerge.CONVERSION_PRESETS' names, spelled here so that building the parser imports no torch
+_CONVERSION_NAMES = ("qkv", "gate_up", "stack_experts", "stack_experts_w123", "transpose_experts")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dsdmerge`` command.
 
-    Examples:
+    Example:
         >>> from dsdmerge.cli import build_parser
         >>> build_parser().parse_args(["diff", "a.pt", "b.pt", "--json"]).json
         True
@@ -1822,6 +1380,7 @@ def build_parser() -> argparse.ArgumentParser:
         '({"key", "checkpoint", "reference"}), "allowed", and a compressed "summary"',
     )
     _add_rename_options(diff)
+    _add_convert_option(diff)
     diff.set_defaults(func=_diff)
 
     check = add(
@@ -1837,6 +1396,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy(check)
     allow(check, what="")
     _add_rename_options(check)
+    _add_convert_option(check)
     common(
         check,
         json_help='print JSON: "accepted", "errors", "warnings", and what the merge would '
@@ -1863,7 +1423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=writing.FORMATS,
         default=None,
         help="the format to write; must agree with OUT's name (default: what the name says)",
     )
@@ -1871,11 +1431,22 @@ def build_parser() -> argparse.ArgumentParser:
     policy(merge)
     allow(merge, what="")
     _add_rename_options(merge)
+    _add_convert_option(merge)
+    merge.add_argument(
+        "--max-bytes",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="the most bytes the tensors --on-shape-mismatch resize makes may take together "
+        "(default: as many as the checkpoint's and the reference's tensors hold); e.g. "
+        "'64MiB', '2GiB', '1e9'",
+    )
     merge.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT if it exists and is a checkpoint: a regular file, or a DCP or "
-        "Hugging Face checkpoint directory (only their own files); never anything else",
+        help="replace OUT if it exists and is a checkpoint: a regular file, or a directory "
+        "holding only what dsdmerge writes there (a DCP or Hugging Face checkpoint); never "
+        "anything else",
     )
     common(merge, json_help=None)
     merge.set_defaults(func=_merge)
@@ -1898,7 +1469,7 @@ def build_parser() -> argparse.ArgumentParser:
         "nested form keyed by fqn; ids: optimizer.state_dict() (int ids), after DSD's step",
     )
     reference.add_argument(
-        "--format", choices=FORMATS, default=None, help="as for merge (default: OUT's name)"
+        "--format", choices=writing.FORMATS, default=None, help="as for merge (default: OUT's name)"
     )
     reference.add_argument("--force", action="store_true", help="replace OUT, as for merge")
     reference.set_defaults(func=_reference)
@@ -1912,6 +1483,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive, default=5, help="training steps (default: 5)")
     demo.set_defaults(func=_demo)
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")}
+
+
+def _byte_count(text: str) -> int:
+    """``--max-bytes``: a number of bytes, with an optional unit (``64MiB``, ``2GB``)."""
+    upper = text.strip().upper()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if u and upper.endswith(u)), "")
+    try:
+        value = float(upper[: len(upper) - len(unit)].strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}")
+    return int(value * _UNITS[unit])
 
 
 def _positive(text: str) -> int:
@@ -1928,6 +1516,51 @@ def _version() -> str:
     from dsdmerge import __version__
 
     return __version__
+
+
+@contextlib.contextmanager
+def _safe_streams() -> Iterator[None]:
+    """Text that stdout or stderr cannot encode is written as escapes, never an error.
+
+    A key with a lone surrogate, or any non-ASCII key under an ASCII locale
+    (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``), would otherwise stop a report half-way
+    with an exception, after ``merge`` had written OUT. Each stream's error handler is
+    restored afterwards.
+    """
+    restore = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(Exception):  # a stream that cannot be reconfigured
+                stream.reconfigure(errors="backslashreplace")
+                restore.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in restore:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors=errors)
+
+
+@contextlib.contextmanager
+def _printed_warnings() -> Iterator[None]:
+    """Print the warnings of a command as it runs: each once, one escaped line on stderr."""
+    seen: set[str] = set()
+    original = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if not issubclass(category, DSDMergeWarning):
+            original(message, category, *args, **kwargs)
+            return
+        line = f"dsdmerge: warning: {_cli_advice(str(message).removeprefix('dsdmerge: '))}"
+        if line not in seen:
+            seen.add(line)
+            _stderr(line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", DSDMergeWarning)
+        warnings.showwarning = show
+        yield
 
 
 @contextlib.contextmanager
@@ -1970,12 +1603,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 (success; for ``diff``, nothing differs), 1 (``diff``: something differs;
         ``merge``: the policy refused) or 2 (an error).
 
-    Examples:
+    Example:
         >>> from dsdmerge.cli import main
         >>> main(["inspect", "/no/such/file.pt"])  # doctest: +SKIP
         2
     """
-    from dsdmerge.errors import DSDMergeError, UnsafeCheckpointError
+    from dsdmerge.errors import UnsafeCheckpointError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1983,7 +1616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        with _quiet_broken_pipe():
+        with _safe_streams(), _printed_warnings(), _quiet_broken_pipe():
             status: int = args.func(args)
         return status
     except BrokenPipeError:
@@ -1998,8 +1631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             text += " Pass --trust only if you trust where it came from."
         _stderr(f"dsdmerge: error: {text}")
         return EXIT_ERROR
-    except (CLIError, DSDMergeError, OSError) as err:
-        _stderr(f"dsdmerge: error: {_one_line(err)}")
+    except (DSDMergeError, OSError) as err:
+        _stderr(f"dsdmerge: error: {_cli_advice(_one_line(err))}")
         return EXIT_ERROR
     except (SystemExit, GeneratorExit):
         raise
@@ -2011,6 +1644,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(set DSDMERGE_TRACEBACK=1 to see where)"
         )
         return EXIT_ERROR
+
+
+_MOVED = {
+    "FORMATS": "dsdmerge.integrations.writing",
+    "HFPlan": "dsdmerge.integrations.writing",
+    "output_format": "dsdmerge.integrations.writing",
+    "write_checkpoint": "dsdmerge.integrations.writing",
+    "reference_state_dict": "dsdmerge.integrations.reference",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names that moved out of the command line, one release as deprecated aliases."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'dsdmerge.cli' has no attribute {name!r}")
+    import importlib
+
+    warnings.warn(
+        f"dsdmerge.cli.{name} moved to {home}.{name}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)
 
 
 if __name__ == "__main__":  # pragma: no cover

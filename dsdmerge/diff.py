@@ -21,6 +21,7 @@ from dsdmerge._records import Changed, KeyDiff, Mismatch, SuggestedRename, Tenso
 from dsdmerge._text import dtype_name as dtype_name
 from dsdmerge._trees import flatten
 from dsdmerge._values import is_tensor_like, same_value
+from dsdmerge.convert import Conversions, convert_checkpoint, suggest_conversions
 from dsdmerge.errors import DSDMergeError, DSDMergeWarning
 from dsdmerge.layout import Layout, classify
 from dsdmerge.rename import Rules, rename_checkpoint, suggest_renames
@@ -34,6 +35,7 @@ def diff(
     /,
     *,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     values: bool = False,
 ) -> KeyDiff:
     """Compare a checkpoint with a reference state dict, by flat key.
@@ -54,6 +56,8 @@ def diff(
         rename: Rename rules applied to the checkpoint first (see
             :func:`~dsdmerge.rename`); a rule that matches nothing gives a
             :class:`~dsdmerge.DSDMergeWarning`.
+        convert: Layout conversions applied to the checkpoint next (see
+            :func:`~dsdmerge.convert`: records and preset names, in order).
         values: Also compare non-tensor values.
 
     Returns:
@@ -63,6 +67,10 @@ def diff(
         StateDictTypeError: An argument is not a mapping.
         LayoutError: An argument is malformed (see :func:`~dsdmerge.flatten`).
         RenameError: A rename rule is not valid, or renames two keys to one.
+        ConversionError: A conversion cannot be applied (see :func:`~dsdmerge.convert`).
+
+    When unexpected keys would become missing ones through a conversion preset,
+    :attr:`KeyDiff.conversions` names it.
 
     Examples:
         >>> import torch, dsdmerge as dm
@@ -71,11 +79,16 @@ def diff(
         >>> d = dm.diff(ckpt, ref)
         >>> d.missing, d.unexpected, d.mismatched
         (('head',), ('old',), ())
+        >>> fused = {"attn.qkv_proj.weight": torch.zeros(6, 4)}
+        >>> dm.diff({f"attn.{n}_proj.weight": torch.zeros(2, 4) for n in "qkv"}, fused).conversions
+        ('qkv',)
     """
     if rename is not None:
         checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
         if unmatched:
             warnings.warn(DSDMergeWarning(f"dsdmerge: {unmatched}"), stacklevel=2)
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=2)
     outcome = run(checkpoint, reference, merge=False)
     changed = changed_values(checkpoint, reference) if values else ()
     return KeyDiff(
@@ -84,6 +97,7 @@ def diff(
         tuple(outcome.mismatches),
         tuple(changed),
         suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
+        conversions=conversions_for(checkpoint, reference, outcome.missing, outcome.unexpected),
     )
 
 
@@ -132,6 +146,23 @@ def changed_values(checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]) 
             continue
         out.append(Changed(keys[i], a, b))
     return out
+
+
+def conversions_for(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    missing: Sequence[str],
+    unexpected: Sequence[str],
+) -> tuple[str, ...]:
+    """The :attr:`KeyDiff.conversions` for these differences (best effort: ``()`` when unsure)."""
+    if not missing or not unexpected:
+        return ()
+    try:
+        c = checkpoint if classify(checkpoint) is Layout.FLAT else flatten(checkpoint)
+        r = reference if classify(reference) is Layout.FLAT else flatten(reference)
+        return suggest_conversions(c, r, missing, unexpected)
+    except DSDMergeError:  # a layout the suggestions cannot read: no suggestion
+        return ()
 
 
 def suggest(

@@ -12,8 +12,10 @@ working::
     ├── InvalidPolicyError(DSDMergeError, ValueError)  a policy name, action or allow-list
     ├── PatternError(DSDMergeError, ValueError)        a key pattern text that does not parse
     ├── RenameError(DSDMergeError, ValueError)         a bad rename rule, or two keys renamed to one
-    └── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
-        └── UnsafeCheckpointError                      a pickle that would run code: refused
+    ├── ConversionError(DSDMergeError, ValueError)     a layout conversion that cannot apply
+    ├── CheckpointReadError(DSDMergeError, OSError)    a checkpoint that cannot be read
+    │   └── UnsafeCheckpointError                      a pickle that would run code: refused
+    └── CheckpointWriteError(DSDMergeError, OSError)   a checkpoint that cannot be written
 
     DSDMergeWarning(UserWarning)                        a difference the policy reports
 """
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointReadError",
+    "ConversionError",
+    "CheckpointWriteError",
     "DSDMergeError",
     "DSDMergeWarning",
     "InvalidPolicyError",
@@ -130,6 +134,37 @@ class RenameError(DSDMergeError, ValueError):
         self.target = target
 
 
+class ConversionError(DSDMergeError, ValueError):
+    """A layout conversion that is not valid, or that cannot be applied to this state dict.
+
+    Raised by the conversion records (:class:`~dsdmerge.Fuse`, :class:`~dsdmerge.Split`,
+    ...) for a bad template or argument, and by :func:`~dsdmerge.convert` when a rule
+    matches nothing, finds only some of its sources, meets tensors it cannot combine,
+    or optimizer state or hyperparameters it cannot carry over. Nothing is converted
+    when it is raised: the input is never modified.
+
+    Attributes:
+        rule: The rule the error is about (a conversion record), or ``None``.
+        keys: The fqns (or keys) the error is about, in the order the message names them.
+
+    Example:
+        >>> import dsdmerge as dm
+        >>> try:
+        ...     dm.convert({"a.w": 1}, [dm.Transpose("b.w", dims=(0, 1))])
+        ... except dm.ConversionError as err:
+        ...     err.rule, err.keys
+        (Transpose('b.w', dims=(0, 1)), ())
+    """
+
+    rule: object
+    keys: tuple[str, ...]
+
+    def __init__(self, message: str, *, rule: object = None, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.keys = keys
+
+
 class CheckpointReadError(DSDMergeError, OSError):
     """A checkpoint that cannot be read: missing, corrupt or truncated, or of an unknown format.
 
@@ -156,6 +191,23 @@ class UnsafeCheckpointError(CheckpointReadError):
     entry that is not plain data. Pass ``trusted=True`` only for checkpoints
     whose origin you trust.
     """
+
+
+class CheckpointWriteError(DSDMergeError, OSError):
+    """A checkpoint that cannot be written, or a destination that may not be replaced.
+
+    Raised by :mod:`dsdmerge.integrations.writing` before anything is replaced; the
+    message names the destination and the problem on one line.
+
+    Attributes:
+        path: The destination, as given.
+    """
+
+    path: str
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class DSDMergeWarning(UserWarning):

@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 from dsdmerge._engine import run
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
+from dsdmerge.convert import Conversions, convert_checkpoint
 from dsdmerge.diff import KeyDiff, Mismatch, suggest
 from dsdmerge.errors import DSDMergeWarning, MergeError
 from dsdmerge.flatten import flatten, split_param_key
@@ -34,7 +35,15 @@ from dsdmerge.layout import (
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.rename import Rules, rename_checkpoint
 from dsdmerge.report import format_keys, format_mismatches, format_resized
-from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch, Resized, resize, why_not_resizable
+from dsdmerge.resize import (
+    SHAPE_CHOICES,
+    OnShapeMismatch,
+    Resized,
+    held_nbytes,
+    resize,
+    resize_nbytes,
+    why_not_resizable,
+)
 
 __all__ = ["Fresh", "Merged", "check", "merge", "merge_with_diff"]
 
@@ -68,8 +77,10 @@ def merge(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> dict[Any, Any]:
     """Merge a loaded checkpoint over a fresh reference state dict.
 
@@ -93,6 +104,9 @@ def merge(
             :func:`~dsdmerge.rename`; a preset name such as ``"ddp"`` works); a
             rule that matches nothing is handled as ``policy.unmatched_rename``
             says (a warning, an error under ``"strict"``).
+        convert: Layout conversions applied to the checkpoint next, after
+            ``rename`` (see :func:`~dsdmerge.convert`: records and preset names such
+            as ``"qkv"``, in order); the optimizer state converts with the weights.
         on_shape_mismatch: For tensors whose shapes differ: ``"raise"`` (as the
             policy's ``shape`` action says; every built-in policy raises),
             ``"take_reference"`` (the reference's tensor, with a warning: the
@@ -108,6 +122,10 @@ def merge(
             without state, so that it starts exactly like in a new optimizer (its
             keys are still reported missing; load the result nested, as
             ``set_optimizer_state_dict`` of a flat dict needs every state key).
+        max_resize_bytes: The most bytes the new tensors of ``"resize"`` may take
+            together. By default, as many as the checkpoint's and the reference's
+            tensors hold (their storages' bytes, each storage once: an expanded,
+            stride-0 reference tensor holds few bytes however large its shape).
 
     Returns:
         A new state dict in the checkpoint's layout. A flat result lists the
@@ -121,11 +139,13 @@ def merge(
             mismatches under the built-in policies, unless ``on_shape_mismatch``
             says otherwise), an int-keyed optimizer's group sizes differ, which
             ``Optimizer.load_state_dict`` rejects, or a tensor cannot be resized
-            (its rank changed, or it is a meta tensor or a DTensor).
+            (its rank changed, it is a meta tensor or a DTensor, the resizes would
+            take more than ``max_resize_bytes``, or allocating one failed).
         LayoutError: An argument is malformed, or the checkpoint is nested and
             the reference flat.
         StateDictTypeError: An argument is not a mapping.
         RenameError: A rename rule is not valid, or renames two keys to one.
+        ConversionError: A conversion cannot be applied (see :func:`~dsdmerge.convert`).
         InvalidPolicyError: A bad policy, allow-list or ``on_shape_mismatch``.
 
     Examples:
@@ -145,8 +165,10 @@ def merge(
         allow_unexpected,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     ).state_dict
 
 
@@ -159,8 +181,10 @@ def merge_with_diff(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """Like :func:`merge`, but also return the :class:`~dsdmerge.KeyDiff`, from the same pass.
 
@@ -173,9 +197,11 @@ def merge_with_diff(
         allow_missing: fnmatch globs over flat keys the checkpoint may lack.
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
         rename: Rules applied to the checkpoint's fqns first (see :func:`merge`).
+        convert: Layout conversions applied next (see :func:`merge`).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (see :func:`merge`); the diff's ``resized`` lists what was resized.
         fresh: ``"reference"`` or ``"as_fresh"`` (see :func:`merge`).
+        max_resize_bytes: The most bytes resizes may allocate (see :func:`merge`).
 
     Returns:
         ``Merged(state_dict, diff, conflicts)``.
@@ -194,8 +220,10 @@ def merge_with_diff(
         allow_unexpected,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     )
 
 
@@ -208,6 +236,7 @@ def check(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Apply a policy to the differences without merging anything.
@@ -225,6 +254,8 @@ def check(
         allow_unexpected: fnmatch globs over flat keys the reference may lack.
         rename: Rules applied to the checkpoint's fqns first (see :func:`merge`);
             a view is renamed without reading any tensor.
+        convert: Layout conversions applied next (see :func:`merge`); a view
+            converts by shape, without reading any tensor.
         on_shape_mismatch: As for :func:`merge`; ``"resize"`` is checked for
             ranks only (a view holds no tensors to resize).
 
@@ -242,7 +273,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     shapes = _shape_choice(on_shape_mismatch)
-    checkpoint, extra = _renamed(checkpoint, rename, pol)
+    checkpoint, extra = _renamed(checkpoint, rename, pol, convert=convert, stacklevel=3)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=True))
@@ -267,8 +298,10 @@ def _merge(
     *,
     stacklevel: int,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """:func:`merge_resolved` after resolving the policy.
 
@@ -283,8 +316,10 @@ def _merge(
         pol,
         stacklevel=stacklevel + 1,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
         fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
     )
 
 
@@ -295,8 +330,10 @@ def merge_resolved(
     *,
     stacklevel: int,
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
     fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
 ) -> Merged:
     """:func:`merge_with_diff` under a resolved :class:`~dsdmerge.Policy`.
 
@@ -307,7 +344,14 @@ def merge_resolved(
     """
     _fresh_choice(fresh)
     shapes = _shape_choice(on_shape_mismatch)
-    checkpoint, extra = _renamed(checkpoint, rename, policy)
+    if max_resize_bytes is not None and (type(max_resize_bytes) is not int or max_resize_bytes < 0):
+        raise InvalidPolicyError(
+            f"max_resize_bytes must be a number of bytes (an int >= 0) or None, got "
+            f"{short_repr(max_resize_bytes)}"
+        )
+    checkpoint, extra = _renamed(
+        checkpoint, rename, policy, convert=convert, stacklevel=stacklevel + 1
+    )
     outcome = run(
         checkpoint,
         reference,
@@ -317,6 +361,8 @@ def merge_resolved(
     )
     if shapes == "resize":
         extra.extend(_unresizable(outcome, metadata_only=False))
+        if not extra or all(action != "raise" for action, _ in extra):
+            extra.extend(_resize_budget(outcome, checkpoint, reference, max_resize_bytes))
     renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
     diff, conflicts = apply_policy(
         outcome,
@@ -333,7 +379,10 @@ def merge_resolved(
             continue
         slot = outcome.take_reference[m.key]
         if shapes == "resize":  # each new tensor is made once, here
-            slot.put(resize(slot.checkpoint, slot.reference))
+            try:
+                slot.put(resize(slot.checkpoint, slot.reference))
+            except MergeError as err:  # allocating it failed
+                raise MergeError(f"{m.key!r}: {err}", diff=diff) from err
             resized.append(Resized.from_mismatch(m))
         else:  # not raised: torch would reject the checkpoint's tensor
             slot()
@@ -488,13 +537,26 @@ def _shape_choice(value: object) -> OnShapeMismatch:
 
 
 def _renamed(
-    checkpoint: Mapping[Any, Any], rules: Rules | None, policy: Policy
+    checkpoint: Mapping[Any, Any],
+    rules: Rules | None,
+    policy: Policy,
+    *,
+    convert: Conversions | None = None,
+    stacklevel: int = 2,
 ) -> tuple[Mapping[Any, Any], list[tuple[Action, str]]]:
-    """The checkpoint renamed by ``rules`` (if any), and the finding about unmatched rules."""
-    if rules is None:
-        return checkpoint, []
-    out, unmatched = rename_checkpoint(checkpoint, rules)
-    return out, ([(policy.unmatched_rename, unmatched)] if unmatched else [])
+    """The checkpoint renamed by ``rules``, then converted by ``convert`` (each if given).
+
+    Also the finding about rename rules that matched nothing. ``stacklevel`` is for the
+    conversion's warnings, as for ``warnings.warn`` counted from this function.
+    """
+    extra: list[tuple[Action, str]] = []
+    if rules is not None:
+        checkpoint, unmatched = rename_checkpoint(checkpoint, rules)
+        if unmatched:
+            extra.append((policy.unmatched_rename, unmatched))
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
+    return checkpoint, extra
 
 
 def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action, str]]:
@@ -523,6 +585,46 @@ def _unresizable(outcome: Outcome, *, metadata_only: bool) -> list[tuple[Action,
             "on_shape_mismatch='take_reference' to take the reference's tensors instead.",
         )
         for why, keys in bad.items()
+    ]
+
+
+def _resize_budget(
+    outcome: Outcome,
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    max_bytes: int | None,
+) -> list[tuple[Action, str]]:
+    """A finding (raised) when the resizes would take more bytes than allowed.
+
+    Allowed: ``max_bytes``, else the bytes the checkpoint's and the reference's tensors
+    hold (so a reference of a few bytes, an expanded tensor claiming any shape, cannot
+    make a merge allocate more than its inputs take).
+    """
+    needs: dict[str, int] = {}
+    for m in outcome.mismatches:
+        if reshaped(m):
+            slot = outcome.take_reference[m.key]
+            needs[m.key] = resize_nbytes(slot.checkpoint, slot.reference)
+    total = sum(needs.values())
+    if not total:
+        return []
+    allowed = max_bytes if max_bytes is not None else held_nbytes(checkpoint, reference)
+    if total <= allowed:
+        return []
+    worst = max(needs, key=needs.__getitem__)
+    whose = (
+        "max_resize_bytes"
+        if max_bytes is not None
+        else "the bytes the checkpoint's and the reference's tensors hold"
+    )
+    return [
+        (
+            "raise",
+            f"{len(needs)} tensor(s) resized would take {total:,} bytes, more than "
+            f"{whose} ({allowed:,}): {format_keys(list(needs))}; the largest, {worst!r}, "
+            f"{needs[worst]:,} bytes (an expanded or crafted reference tensor claims a shape "
+            "its data does not fill). Pass max_resize_bytes=<bytes> to allow it.",
+        )
     ]
 
 

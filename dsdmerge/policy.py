@@ -36,7 +36,7 @@ from typing import Literal, get_args
 
 from dsdmerge._text import short_repr
 from dsdmerge.errors import InvalidPolicyError, PatternError
-from dsdmerge.report import parse_pattern
+from dsdmerge.report import pattern_alternatives, range_regex
 
 __all__ = [
     "DEFAULT",
@@ -201,16 +201,26 @@ def pattern_regex(text: str) -> str | None:
     """The regex of a report's pattern text, or ``None`` when ``text`` is not one.
 
     Only texts with a brace group or an escape are read as patterns (a plain text
-    means the same as a glob without wildcards).
+    means the same as a glob without wildcards). Ranges are matched as ranges, never
+    expanded: the regex grows with the text, not with the numbers a range holds.
     """
     if "{" not in text and "\\" not in text:
         return None
 
     try:
-        segments = parse_pattern(text).segments
+        segments = pattern_alternatives(text)
     except PatternError:
         return None
-    return r"\.".join("(?:" + "|".join(map(_glob_part, alts)) + ")" for alts in segments) + r"\Z"
+    return (
+        r"\.".join("(?:" + "|".join(map(_alternative_regex, alts)) + ")" for alts in segments)
+        + r"\Z"
+    )
+
+
+def _alternative_regex(alternative: str | tuple[str, str]) -> str:
+    if isinstance(alternative, str):
+        return _glob_part(alternative)
+    return range_regex(*alternative)
 
 
 def _glob_part(text: str) -> str:

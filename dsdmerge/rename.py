@@ -38,13 +38,13 @@ import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import compress, repeat
-from operator import add, is_not, itemgetter, methodcaller, or_
+from operator import add, attrgetter, getitem, is_not, itemgetter, methodcaller, or_
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._records import SuggestedRename
 from dsdmerge._trees import copy_tree as copy_acyclic
-from dsdmerge._values import is_tensor_like, shape_dtype, short_repr
+from dsdmerge._values import is_tensor_like, leaf_codes, shape_dtype, short_repr
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameError
 from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
@@ -68,6 +68,8 @@ those (applied in order)."""
 PARAM_NAMES = "param_names"
 
 # (?<![^.]) : at the start of the fqn or right after a dot (the start of a segment)
+# PEFT's adapter segments: lora_A.default.weight in a model, lora_A.weight in its saved adapter
+_LORA = r"(?<![^.])(lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?![^.])"
 RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {
         "ddp": MappingProxyType({r"^module\.": ""}),
@@ -76,9 +78,13 @@ RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
         "fsdp1": MappingProxyType({r"(?<![^.])_fsdp_wrapped_module\.": ""}),
         "peft": MappingProxyType({r"^base_model\.model\.": ""}),
         "lora": MappingProxyType({r"(?<![^.])base_layer\.": ""}),
+        # the other direction, and PEFT's adapter name (which its saved adapter files drop)
+        "to_peft": MappingProxyType({r"^(?!base_model\.model\.)": "base_model.model."}),
+        "lora_adapter_name": MappingProxyType({_LORA + r"\.default(?![^.])": r"\1"}),
+        "to_lora_adapter_name": MappingProxyType({_LORA + r"(?!\.default(?![^.]))": r"\1.default"}),
     }
 )
-"""Rules that strip the fqn segments wrappers add, by name, for ``rename=``.
+"""Rules for the fqn segments wrappers add, by name, for ``rename=``.
 
 * ``"ddp"``: ``DistributedDataParallel``'s (and ``DataParallel``'s) leading ``module.``;
 * ``"compile"``: ``torch.compile``'s ``_orig_mod.`` (leading, or inside for a compiled
@@ -86,7 +92,16 @@ RENAME_PRESETS: Mapping[str, Mapping[str, str]] = MappingProxyType(
 * ``"checkpoint_wrapper"``: activation checkpointing's ``_checkpoint_wrapped_module.``;
 * ``"fsdp1"``: FSDP1's ``_fsdp_wrapped_module.``;
 * ``"peft"``: PEFT's leading ``base_model.model.``;
-* ``"lora"``: PEFT LoRA's ``base_layer.`` (``q_proj.base_layer.weight`` -> ``q_proj.weight``).
+* ``"lora"``: PEFT LoRA's ``base_layer.`` (``q_proj.base_layer.weight`` -> ``q_proj.weight``);
+* ``"to_peft"``: adds PEFT's leading ``base_model.model.`` (a plain checkpoint resumed into
+  a PEFT model). Where LoRA wraps a module its weights move under ``base_layer.`` too, a
+  rule that names the wrapped modules; :func:`dsdmerge.diff` suggests it for the modules
+  it sees wrapped (``v_proj.weight`` -> ``v_proj.base_layer.weight``);
+* ``"lora_adapter_name"``: drops the adapter name PEFT puts after ``lora_A``, ``lora_B``,
+  ``lora_embedding_A/B`` and ``lora_magnitude_vector`` (``lora_A.default.weight`` ->
+  ``lora_A.weight``, as ``save_pretrained`` writes adapters);
+* ``"to_lora_adapter_name"``: puts it back (``lora_A.weight`` -> ``lora_A.default.weight``:
+  a saved adapter into the model).
 
 To add a prefix instead (a bare checkpoint resumed into a wrapped model), use a rule
 such as ``{r"^": "module."}``.
@@ -558,6 +573,7 @@ class FlatKeys:
             else:
                 self.opt_mask, self.opt_keys, self.heads, distinct = b"", [], [], []
         self.depth = self.prefixes[0].count(".") if self.prefixes else 0
+        self._opt_starts = tuple(p + s for p in self.prefixes for s in _OPT_PREFIXES)
         # head -> what precedes its fqn (P + "state." or P + "param_groups."), its fqn, and
         # what follows the fqn inside the head (nested state names only)
         self.before: dict[str, str] = {}
@@ -625,9 +641,7 @@ class FlatKeys:
 
     def split(self, key: str) -> tuple[str, str, str] | None:
         """``(before, fqn, after)`` with ``before + fqn + after == key``; ``None``: no fqn."""
-        if self.prefixes and key.startswith(
-            tuple(p + s for p in self.prefixes for s in _OPT_PREFIXES)
-        ):
+        if self._opt_starts and key.startswith(self._opt_starts):
             head = key.rpartition(".")[0]
             fqn = self.fqn.get(head)
             if fqn is not None:
@@ -636,6 +650,31 @@ class FlatKeys:
         if found is None:
             return None
         return found[0], found[1], ""
+
+    def split_many(self, keys: list[str]) -> tuple[list[str], list[str], list[str], list[str]]:
+        """:meth:`split` of many keys in C-level passes: ``(befores, fqns, afters, keys)``.
+
+        Keys without an fqn are left out (of all four lists alike).
+        """
+        heads = list(map(itemgetter(0), map(methodcaller("rpartition", "."), keys)))
+        fqns: list[str | None] = list(map(self.fqn.get, heads))
+        befores: list[str | None] = list(map(self.before.get, heads))
+        tails = map(getitem, keys, map(slice, map(len, heads), repeat(None)))
+        afters: list[str | None] = list(map(add, map(self.after.get, heads, repeat("")), tails))
+        if None in fqns:  # model keys, or keys of no known head: one by one
+            for i in [i for i, f in enumerate(fqns) if f is None]:
+                found = self.split_model_key(keys[i])
+                if found is None:
+                    continue
+                befores[i], fqns[i], afters[i] = found[0], found[1], ""
+            keep = bytes(f is not None for f in fqns)
+            return (
+                list(compress(befores, keep)),  # type: ignore[arg-type]
+                list(compress(fqns, keep)),  # type: ignore[arg-type]
+                list(compress(afters, keep)),  # type: ignore[arg-type]
+                list(compress(keys, keep)),
+            )
+        return befores, fqns, afters, keys  # type: ignore[return-value]
 
     def fqns(self) -> list[str]:
         """Every distinct fqn, in order of first appearance (optimizer fqns first)."""
@@ -930,34 +969,49 @@ _WRAPPERS = {  # one dropped segment -> the preset that drops it
     "_checkpoint_wrapped_module": "checkpoint_wrapper",
     "_fsdp_wrapped_module": "fsdp1",
     "base_layer": "lora",
+    "default": "lora_adapter_name",
 }
 _LEADING = {"module": "ddp", "base_model.model": "peft"}
+_ADDED = {"base_model.model": "to_peft"}  # a leading run of segments added -> its preset
+_INSERTED = {"default": "to_lora_adapter_name"}  # one segment inserted -> its preset
 
 
 class _Side:
-    """One side's keys grouped by fqn: the parts of each differing key, and key counts."""
+    """One side's differing keys split at their fqn, in bulk, and which fqns differ wholly.
+
+    ``keys[i] == befores[i] + fqns[i] + afters[i]`` for every differing key that has an
+    fqn; ``of_key`` gives each such key's ``(before, fqn, after)``; ``counts`` the
+    differing keys per fqn, and ``whole`` the fqns all of whose keys differ (the only
+    ones a rename can explain).
+    """
 
     def __init__(self, flat: Mapping[str, Any], differing: Sequence[str]) -> None:
         self.flat = flat
         self.index = FlatKeys(list(flat))
-        self.parts: dict[str, dict[tuple[str, str], str]] = {}  # fqn -> (before, after) -> key
-        for key in differing:
-            found = self.index.split(key)
-            if found is not None:
-                self.parts.setdefault(found[1], {})[(found[0], found[2])] = key
-        counts: dict[str, int] = dict.fromkeys(self.parts, 0)
-        if counts:
+        befores, fqns, afters, keys = self.index.split_many(list(differing))
+        self.keys, self.befores, self.fqns, self.afters = keys, befores, fqns, afters
+        self.counts: Counter[str] = Counter(fqns)
+        self._of_key: dict[str, tuple[str, str, str]] | None = None
+        totals: dict[str, int] = dict.fromkeys(self.counts, 0)
+        if totals:
             fqn_of = self.index.fqn
             for head, n in Counter(self.index.heads).items():
                 fqn = fqn_of.get(head)
-                if fqn in counts:
-                    counts[fqn] += n
+                if fqn in totals:
+                    totals[fqn] += n
             for key in self.index.model_keys():
                 split = self.index.split_model_key(key)
-                if split is not None and split[1] in counts:
-                    counts[split[1]] += 1
-        # fqns all of whose keys differ: the only ones a rename can explain
-        self.whole = [f for f, parts in self.parts.items() if len(parts) == counts[f]]
+                if split is not None and split[1] in totals:
+                    totals[split[1]] += 1
+        self.whole = [f for f, n in self.counts.items() if n == totals[f]]
+
+    @property
+    def of_key(self) -> dict[str, tuple[str, str, str]]:
+        """``key -> (before, fqn, after)`` of each differing key (made on first use)."""
+        if self._of_key is None:
+            parts = zip(self.befores, self.fqns, self.afters, strict=True)
+            self._of_key = dict(zip(self.keys, parts, strict=True))
+        return self._of_key
 
 
 def suggest_renames(
@@ -1003,7 +1057,7 @@ def suggest_renames(
         ):
             continue
         rules = [*(a for a, _ in accepted), rule]
-        chained = _explains(rules, c, r, sources, targets)
+        chained = _explains(rules, c, r, sources, targets) if accepted else found
         if chained is None:
             continue
         if all_fqns is None:
@@ -1015,7 +1069,7 @@ def suggest_renames(
             rule.pattern.pattern,
             rule.replacement,
             len(new),
-            sum(len(c.parts[f]) for f in new),
+            sum(map(c.counts.__getitem__, new)),
             next(iter(new.items())),
             rule.preset,
         )
@@ -1031,6 +1085,7 @@ def _votes(
     """Candidate changes, with how many sampled unexpected fqns each would explain."""
     by_hole: dict[tuple[int, int, str, str], list[str]] = {}
     by_suffix: dict[str, list[str]] = {}
+    by_inserted: dict[str, list[tuple[str, str]]] = {}  # fqn without one inner segment
     for m in targets[:_INDEXED]:
         segs = m.split(".", _SEGMENTS)
         if len(segs) > _SEGMENTS:
@@ -1039,6 +1094,10 @@ def _votes(
             by_hole.setdefault(
                 (len(segs), i, ".".join(segs[:i]), ".".join(segs[i + 1 :])), []
             ).append(segs[i])
+        for i in range(1, len(segs) - 1):
+            by_inserted.setdefault(".".join(segs[:i] + segs[i + 1 :]), []).append(
+                (segs[i], segs[i - 1])
+            )
         for i in range(1, len(segs)):
             by_suffix.setdefault(".".join(segs[i:]), []).append(".".join(segs[:i]))
     step = max(1, len(sources) // _SAMPLE)
@@ -1060,6 +1119,8 @@ def _votes(
                     votes["drop", ".".join(segs[a:b])] += 1
         for prefix in by_suffix.get(u, ())[:4]:
             votes["add", prefix] += 1
+        for segment, after in by_inserted.get(u, ())[:4]:
+            votes["insert", segment, after] += 1
     return votes
 
 
@@ -1106,7 +1167,18 @@ def _rules_for(candidate: tuple[str, ...]) -> list[Rule]:
             return [_preset_rule(preset)]
         run = re.escape(candidate[1])
         return [Rule(re.compile(rf"\.{run}\."), "."), Rule(re.compile(rf"(?<![^.]){run}\."), "")]
-    return [Rule(re.compile("^"), _template(candidate[1]) + ".")]  # "add"
+    if kind == "insert":  # one segment more, after the segment ``after``
+        preset = _INSERTED.get(candidate[1])
+        if preset is not None:
+            return [_preset_rule(preset)]
+        after, new = re.escape(candidate[2]), _template(candidate[1])
+        return [
+            Rule(re.compile(rf"(?<![^.])({after})\.(?!{re.escape(candidate[1])}\.)"), rf"\1.{new}.")
+        ]
+    preset = _ADDED.get(candidate[1])  # "add"
+    if preset is not None:
+        return [_preset_rule(preset)]
+    return [Rule(re.compile("^"), _template(candidate[1]) + ".")]
 
 
 def _template(text: str) -> str:
@@ -1122,29 +1194,62 @@ def _preset_rule(name: str) -> Rule:
 def _explains(
     rules: list[Rule], c: _Side, r: _Side, sources: set[str], targets: set[str]
 ) -> dict[str, str] | None:
-    """The renames of unexpected fqns if every one lands exactly on missing keys; else None."""
-    olds = list(c.parts)
+    """The renames of unexpected fqns if every one lands exactly on missing keys; else None.
+
+    Every key of a renamed fqn, spelled with the new fqn, must be a missing key split
+    the same way (same text before and after the fqn) with the same shape and dtype.
+    Linear in the differing keys: one set lookup per renamed fqn, the keys respelled
+    and looked up in C-level passes, then one comparison of their metadata in bulk.
+    """
+    olds = list(c.counts)
     news = Renamer(tuple(rules)).names(olds)
     found: dict[str, str] = {}
+    landed: set[str] = set()  # found's values, as a set: one lookup per fqn
     for old, new in zip(olds, news, strict=True):
         if new == old:
             continue
-        if old not in sources or new not in targets or new in found.values():
+        if old not in sources or new not in targets or new in landed:
             return None
-        c_parts, r_parts = c.parts[old], r.parts[new]
-        if not c_parts.keys() <= r_parts.keys():  # (a parameter without state: fewer keys)
-            return None
-        for where, key in c_parts.items():
-            if not _same_meta(c.flat[key], r.flat[r_parts[where]]):
-                return None
         found[old] = new
-    return found or None
+        landed.add(new)
+    if not found:
+        return None
+    at = bytes(map(found.__contains__, c.fqns))
+    befores, afters = list(compress(c.befores, at)), list(compress(c.afters, at))
+    new_fqns = list(map(found.__getitem__, compress(c.fqns, at)))
+    spelled = list(map(add, map(add, befores, new_fqns), afters))
+    wanted = list(zip(befores, new_fqns, afters, strict=True))
+    if list(map(r.of_key.get, spelled)) != wanted:
+        return None
+    values = list(map(c.flat.__getitem__, compress(c.keys, at)))
+    return found if _same_metas(values, list(map(r.flat.__getitem__, spelled))) else None
 
 
 def _leaves_others_alone(rules: list[Rule], fqns: list[str], sources: set[str]) -> bool:
     """No fqn with a matched key is renamed (a rename must not break what already loads)."""
     news = Renamer(tuple(rules)).names(fqns)
     return all(old in sources for old, new in zip(fqns, news, strict=True) if new != old)
+
+
+def _same_metas(a: list[Any], b: list[Any]) -> bool:
+    """Whether ``a[i]`` and ``b[i]`` agree for every ``i`` as :func:`_same_meta` says.
+
+    Lists of plain tensors and common leaves (the usual case) are compared in C-level
+    passes: the same kinds of values at the same places, then the tensors' shapes and
+    dtypes as two list comparisons.
+    """
+    codes_a, codes_b = leaf_codes(a), leaf_codes(b)
+    if codes_a is None or codes_b is None:
+        return all(map(_same_meta, a, b))
+    if codes_a != codes_b:
+        return False
+    tensors_a, tensors_b = list(compress(a, codes_a)), list(compress(b, codes_b))
+    return list(map(_SHAPE, tensors_a)) == list(map(_SHAPE, tensors_b)) and list(
+        map(_DTYPE, tensors_a)
+    ) == list(map(_DTYPE, tensors_b))
+
+
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 
 
 def _same_meta(a: Any, b: Any) -> bool:

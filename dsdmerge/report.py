@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from dsdmerge._gc import gc_paused
-from dsdmerge._text import dtype_name, short_repr
+from dsdmerge._text import dtype_name, printable, short_repr
 from dsdmerge.errors import PatternError, StateDictTypeError
 
 if TYPE_CHECKING:
@@ -316,6 +316,9 @@ def _rank(pattern: Pattern) -> tuple[int, str]:
 def parse_pattern(text: str, /) -> Pattern:
     """Read a pattern text back into a :class:`Pattern` (the inverse of ``str``).
 
+    Ranges are expanded: the pattern holds every key it stands for (to match keys
+    against a pattern without expanding it, use :func:`dsdmerge.policy.matcher`).
+
     Args:
         text: A pattern such as ``layers.{0..3,5}.{wk,wq}`` (see the module
             docstring for the syntax and escapes).
@@ -331,9 +334,43 @@ def parse_pattern(text: str, /) -> Pattern:
         >>> sorted(parse_pattern("a.{0..2,x}").keys())
         ['a.0', 'a.1', 'a.2', 'a.x']
     """
-    segments: list[tuple[str, ...]] = []
+    segments = []
+    for items in pattern_alternatives(text):
+        alternatives: set[str] = set()
+        for item in items:
+            if isinstance(item, str):
+                alternatives.add(item)
+            else:
+                alternatives.update(map(str, range(int(item[0]), int(item[1]) + 1)))
+        segments.append(tuple(sorted(alternatives, key=_order)))
+    return Pattern(tuple(segments))
+
+
+Alternative = str | tuple[str, str]
+"""One alternative of a pattern's segment: a literal, or a range ``(first, last)`` of plain
+decimals (``m..n``), kept as their digits."""
+
+_RANGE_DIGITS = 64  # the bounds of a range have at most this many digits
+
+
+def pattern_alternatives(text: str, /) -> list[tuple[Alternative, ...]]:
+    """The alternatives of each segment of a pattern text, ranges not expanded.
+
+    Work and memory are linear in the text: ``x.{0..999999}`` is one range, not a
+    million strings (:func:`dsdmerge.policy.matcher` matches it as one).
+
+    Raises:
+        PatternError: The text is not a valid pattern.
+
+    Example:
+        >>> from dsdmerge.report import pattern_alternatives
+        >>> pattern_alternatives("layers.{0..999999,x}.w")
+        [('layers',), (('0', '999999'), 'x'), ('w',)]
+    """
+    segments: list[tuple[Alternative, ...]] = []
     i, n = 0, len(text)
     while True:
+        alternatives: list[Alternative]
         if i < n and text[i] == "{":
             alternatives, i = _parse_group(text, i + 1)
             if i < n and text[i] != ".":
@@ -344,9 +381,9 @@ def parse_pattern(text: str, /) -> Pattern:
         else:
             literal, i = _parse_literal(text, i, stops=".")
             alternatives = [literal]
-        segments.append(tuple(sorted(set(alternatives), key=_order)))
+        segments.append(tuple(dict.fromkeys(alternatives)))
         if i >= n:
-            return Pattern(tuple(segments))
+            return segments
         i += 1  # the dot
 
 
@@ -368,8 +405,8 @@ def _parse_literal(text: str, i: int, *, stops: str) -> tuple[str, int]:
     return "".join(out), i
 
 
-def _parse_group(text: str, i: int) -> tuple[list[str], int]:
-    alternatives: list[str] = []
+def _parse_group(text: str, i: int) -> tuple[list[Alternative], int]:
+    alternatives: list[Alternative] = []
     n = len(text)
     while True:
         start = i
@@ -379,12 +416,16 @@ def _parse_group(text: str, i: int) -> tuple[list[str], int]:
             if not text.startswith("..", i):
                 raise PatternError(f"pattern {text!r}: expected '..' at {i}")
             end, i = _parse_literal(text, i + 2, stops=",}.")
-            if not _is_decimal(end) or int(end) < int(item):
+            if not _is_decimal(end) or (len(end), end) < (len(item), item):
                 raise PatternError(
                     f"pattern {text!r}: bad range {item}..{end}; write m..n with plain "
                     "decimals and m <= n"
                 )
-            alternatives.extend(str(k) for k in range(int(item), int(end) + 1))
+            if len(end) > _RANGE_DIGITS:
+                raise PatternError(
+                    f"pattern {text!r}: a range's bounds have at most {_RANGE_DIGITS} digits"
+                )
+            alternatives.append((item, end))
         elif i < n and text[i] == ".":
             raise PatternError(f"pattern {text!r}: unexpected '.' in a brace group at {i}")
         else:
@@ -394,6 +435,56 @@ def _parse_group(text: str, i: int) -> tuple[list[str], int]:
         if text[i] == "}":
             return alternatives, i + 1
         i += 1  # the comma
+
+
+def range_regex(first: str, last: str, /) -> str:
+    r"""A regex matching exactly the plain decimals from ``first`` to ``last`` (digit strings).
+
+    Its size grows with the number of digits (quadratically), not with how many
+    numbers the range holds. ``first <= last``, both plain decimals.
+
+    Example:
+        >>> import re
+        >>> from dsdmerge.report import range_regex
+        >>> rx = re.compile(range_regex("7", "120") + r"\Z")
+        >>> [n for n in range(200) if rx.match(str(n))] == list(range(7, 121))
+        True
+        >>> bool(rx.match("07")), bool(rx.match("8x"))
+        (False, False)
+    """
+    parts = []
+    for width in range(len(first), len(last) + 1):
+        low = first if width == len(first) else "1" + "0" * (width - 1)
+        high = last if width == len(last) else "9" * width
+        parts.append(_same_width(low, high))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _same_width(low: str, high: str) -> str:
+    """A regex for the decimals of one width from ``low`` to ``high`` (``low <= high``)."""
+    common = 0
+    while common < len(low) and low[common] == high[common]:
+        common += 1
+    head, low, high = low[:common], low[common:], high[common:]
+    if not low:
+        return head
+    rest = len(low) - 1
+    if not rest:
+        return f"{head}[{low}-{high}]"
+    parts = []
+    first_full, last_full = int(low[0]), int(high[0])
+    if low[1:] != "0" * rest:  # low's first digit: only from low up
+        parts.append(low[0] + _same_width(low[1:], "9" * rest))
+        first_full += 1
+    tail = None
+    if high[1:] != "9" * rest:  # high's first digit: only up to high
+        tail = high[0] + _same_width("0" * rest, high[1:])
+        last_full -= 1
+    if first_full <= last_full:
+        parts.append(f"[{first_full}-{last_full}][0-9]{{{rest}}}")
+    if tail is not None:
+        parts.append(tail)
+    return head + "(?:" + "|".join(parts) + ")"
 
 
 def expand(pattern: Pattern | str, /) -> set[str]:
@@ -426,6 +517,14 @@ def expand(pattern: Pattern | str, /) -> set[str]:
 
 def _quote(text: str) -> str:
     return f"'{text}'" if text.isprintable() else repr(text)
+
+
+def _line(p: Pattern) -> str:
+    """A pattern as a report line shows it: its text, or its ``repr`` if a character does not print.
+
+    A key holding ESC or CR must not move the cursor or recolour the terminal.
+    """
+    return printable(str(p))
 
 
 def _plural(n: int, word: str) -> str:
@@ -532,7 +631,8 @@ def _resized_text(p: Pattern, r: Resized) -> str:
     )
     each = " each" if p.count > 1 else ""
     return (
-        f"{p}: {changes}; {r.kept:,} elements kept, {r.from_reference:,} from the reference{each}"
+        f"{_line(p)}: {changes}; {r.kept:,} elements kept, "
+        f"{r.from_reference:,} from the reference{each}"
     )
 
 
@@ -559,7 +659,7 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
     groups = _resized_groups(items)
     shown = ", ".join(
         f"{_quote(str(p))} ({f'{p.count:,} keys, ' if p.count > 1 else ''}"
-        f"{_resized_text(p, r).removeprefix(f'{p}: ')})"
+        f"{_resized_text(p, r).removeprefix(f'{_line(p)}: ')})"
         for p, r in groups[:limit]
     )
     rest = _rest([p for p, _ in groups], limit)
@@ -569,14 +669,14 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
 def _rule_text(s: SuggestedRename) -> str:
     pattern = (
         f"r'{s.pattern}'"
-        if "'" not in s.pattern and not s.pattern.endswith("\\")
+        if "'" not in s.pattern and not s.pattern.endswith("\\") and s.pattern.isprintable()
         else repr(s.pattern)
     )
     preset = f" (preset {s.preset!r})" if s.preset else ""
     old, new = s.example
     return (
         f"{pattern} -> {s.replacement!r}{preset}: {_plural(s.params, 'param')}, "
-        f"{_plural(s.keys, 'key')}, e.g. {old} -> {new}"
+        f"{_plural(s.keys, 'key')}, e.g. {printable(old)} -> {printable(new)}"
     )
 
 
@@ -644,7 +744,9 @@ def render(
         n = len(diff.mismatched)
         lines.append(_paint(f"{_plural(n, 'tensor')} {_MISMATCHED}:", "mismatched", color))
         groups = _mismatch_groups(diff.mismatched)
-        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        rows = [
+            (p.count, f"{_line(p)}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]
+        ]
         lines.extend(_rows(rows, table, color))
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
@@ -654,7 +756,9 @@ def render(
         n = len(changed)
         lines.append(_paint(f"{_plural(n, 'non-tensor value')} {_CHANGED}:", "changed", color))
         groups = _changed_groups(changed)
-        rows = [(p.count, f"{p}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]]
+        rows = [
+            (p.count, f"{_line(p)}: checkpoint {c}, reference {r}") for p, c, r in groups[:limit]
+        ]
         lines.extend(_rows(rows, table, color))
         if len(groups) > limit:
             rest = _rest([p for p, _, _ in groups], limit)
@@ -670,6 +774,16 @@ def render(
             )
         )
         lines.extend(f"  {_rule_text(s)}" for s in diff.renames)
+    conversions = getattr(diff, "conversions", ())
+    if conversions:
+        lines.append(
+            _paint(
+                "unexpected keys look like another layout of missing ones (same shapes and "
+                f"dtypes once converted); convert={list(conversions)!r} would convert them",
+                "renamed",
+                color,
+            )
+        )
     if diff.resized:
         lines.append(
             _paint(
@@ -718,7 +832,7 @@ def render_patterns(
           b
           ... and 1 more key in 1 pattern
     """
-    lines = _rows([(p.count, str(p)) for p in patterns[:limit]], table, color)
+    lines = _rows([(p.count, _line(p)) for p in patterns[:limit]], table, color)
     if len(patterns) > limit:
         lines.append("  " + _paint(f"... and {_rest(patterns, limit)}", "dim", color))
     return lines
@@ -783,4 +897,6 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
             "patterns_not_shown": len(groups) - len(shown_groups),
         }
     out["renames"] = [s.to_dict() for s in diff.renames]
+    if getattr(diff, "conversions", ()):
+        out["conversions"] = list(diff.conversions)
     return out

@@ -12,19 +12,24 @@ such as ``step`` keep the checkpoint's value (their shapes agree).
 
 These are the only tensors dsdmerge ever creates: one allocation per resized
 key (a clone of the reference, then one copy of the overlap into it). Every
-other value of a merge is still shared by identity.
+other value of a merge is still shared by identity. A merge bounds what they
+take together by the bytes its inputs' tensors hold (:func:`held_nbytes`: each
+storage once, so an expanded, stride-0 reference tensor that claims a huge shape
+over a few bytes cannot make it allocate gigabytes), unless told a bound; an
+allocation that fails is a :class:`~dsdmerge.MergeError`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
 from dsdmerge._records import Resized
-from dsdmerge.errors import StateDictTypeError
+from dsdmerge.errors import MergeError, StateDictTypeError
 
-__all__ = ["OnShapeMismatch", "Resized", "resize"]
+__all__ = ["OnShapeMismatch", "Resized", "held_nbytes", "resize", "resize_nbytes"]
 
 OnShapeMismatch = Literal["raise", "take_reference", "resize"]
 """What a merge does about a tensor whose shape differs between checkpoint and reference:
@@ -80,6 +85,7 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
         StateDictTypeError: An argument is not a plain (strided, non-meta)
             torch tensor (a DTensor: resize its ``full_tensor()``), or the ranks
             differ.
+        MergeError: The new tensor could not be made (its allocation failed).
 
     Examples:
         >>> import torch, dsdmerge as dm
@@ -100,7 +106,68 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
     overlap = tuple(
         slice(0, min(c, r)) for c, r in zip(checkpoint.shape, reference.shape, strict=True)
     )
-    with torch.no_grad():
-        out = reference.detach().clone()
-        out[overlap].copy_(checkpoint.detach()[overlap])
+    try:
+        with torch.no_grad():
+            out = reference.detach().clone()
+            out[overlap].copy_(checkpoint.detach()[overlap])
+    except (RuntimeError, MemoryError) as err:  # torch's allocators raise RuntimeError
+        text = " ".join(str(err).split())[:200] or type(err).__name__
+        raise MergeError(
+            f"cannot resize: a {list(reference.shape)} {reference.dtype} tensor of "
+            f"{resize_nbytes(checkpoint, reference):,} bytes could not be made ({text})"
+        ) from None
     return out
+
+
+def resize_nbytes(checkpoint: Any, reference: Any, /) -> int:
+    """The bytes :func:`resize` allocates for this pair (0 when it returns ``checkpoint``).
+
+    Example:
+        >>> import torch
+        >>> from dsdmerge.resize import resize_nbytes
+        >>> resize_nbytes(torch.ones(2), torch.zeros(4096, 4096).expand(3, 4096, 4096))
+        201326592
+    """
+    if (
+        checkpoint.shape == reference.shape
+        and checkpoint.dtype == reference.dtype
+        and checkpoint.device == reference.device
+    ):
+        return 0
+    return int(reference.numel()) * int(reference.element_size())
+
+
+def held_nbytes(*trees: Any) -> int:
+    """The bytes the tensors in ``trees`` hold: each storage's bytes, each storage once.
+
+    Not their ``numel``: an expanded tensor (stride 0) claims any shape over a few
+    bytes, and views of one storage share it. Meta tensors hold none. Walks mappings,
+    lists and tuples at any depth (without recursion).
+
+    Example:
+        >>> import torch
+        >>> from dsdmerge.resize import held_nbytes
+        >>> base = torch.zeros(4)
+        >>> held_nbytes({"a": base, "b": base[:2], "c": torch.zeros(1).expand(10**6)})
+        20
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack: list[Any] = list(trees)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_meta:
+                continue  # a DTensor or a subclass: not resized; a meta tensor: no bytes
+            if value.layout != torch.strided:
+                continue
+            storage = value.untyped_storage()
+            key = (str(value.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += int(storage.nbytes())
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return total

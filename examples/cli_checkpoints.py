@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from dsdmerge.cli import reference_state_dict
+from dsdmerge.integrations.reference import reference_state_dict
 
 DIM = 16
 

@@ -68,6 +68,20 @@ CALLS: dict[str, Callable[[Any, Any], Any]] = {
     "check(a, b, resize)": lambda a, b: _quiet(
         lambda: dm.check(a, b, policy="warn", on_shape_mismatch="resize")
     ),
+    # layout conversions (a rule that matches nothing is a ConversionError too)
+    "convert(a, transpose every fqn)": lambda a, b: _quiet(
+        lambda: dm.convert(a, [dm.Transpose("{K*}", dims=(0, -1))], nonelementwise="reset")
+    ),
+    "convert(a, split every fqn)": lambda a, b: _quiet(
+        lambda: dm.convert(a, [dm.Split("{K*}", ["{K*}.x", "{K*}.y"])], nonelementwise="reset")
+    ),
+    "convert(a, fuse)": lambda a, b: dm.convert(a, [dm.Fuse(["{P*}.{W}", "{P*}.w"], "{P*}.{W}.f")]),
+    "convert(a, stack)": lambda a, b: dm.convert(
+        a, [dm.Stack("{P*}.{I}.{W}", "{P*}.{W}", over="I")]
+    ),
+    "convert(flatten(a), stack)": lambda a, b: dm.convert(
+        _flat_of(a), [dm.Stack("{P*}.{I}.{W}", "{P*}.{W}", over="I")]
+    ),
     "rekey(a)": lambda a, b: dm.rekey(a),
     "rekey(a, names)": lambda a, b: dm.rekey(a, [f"p{i}" for i in range(3)]),
 }

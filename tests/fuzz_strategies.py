@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import pickle
 import struct
@@ -252,7 +253,10 @@ def _synth_valid() -> bytes:
     sdm["step"] = BytesStorageMetadata()
     storage[MetadataIndex("step")] = _StorageInfo("__0_0.distcp", 0, 4)
     planner["step"] = ("step",)
-    return pickle.dumps(Metadata(sdm, planner, storage, None, "1.0.0"), protocol=4)
+    md = Metadata(sdm, planner_data=planner, storage_data=storage)
+    if hasattr(md, "version"):  # torch >= 2.7 records a metadata version
+        md.version = "1.0.0"
+    return pickle.dumps(md, protocol=4)
 
 
 class _Case:
@@ -267,6 +271,8 @@ class _Case:
 
 
 class MetadataCase(_Case):
+    overlap = False  # storage entries whose byte ranges overlap: every load must refuse
+
     def write(self, where: Path) -> Path:
         target = Path(tempfile.mkdtemp(dir=where))
         for name, blob in _real_dcp()[1].items():
@@ -281,12 +287,54 @@ class MetadataCase(_Case):
         ours = read_dcp_metadata(str(path), trusted=False)[1]
         theirs = pickle.loads(self.data)
         assert ours == theirs, f"{self!r}: the safe reader's Metadata differs from pickle's"
+        if self.overlap:
+            import dsdmerge as dm
+            from dsdmerge.integrations import load_checkpoint
+
+            try:
+                load_checkpoint(path)
+            except dm.CheckpointReadError as err:
+                if "overlap" not in str(err):
+                    raise AssertionError(f"{self!r}: refused, not for the overlap: {err}") from err
+            else:
+                raise AssertionError(f"{self!r}: overlapping storage entries were loaded")
+
+
+def _overlaps(ranges: list[tuple[str, int, int]]) -> bool:
+    spans = sorted((rel, o, o + n) for rel, o, n in ranges if n)
+    return any(a[0] == b[0] and a[2] > b[1] for a, b in itertools.pairwise(spans))
+
+
+@st.composite
+def _storage_ranges(draw: st.DrawFn) -> MetadataCase:
+    """The real checkpoint with some storage entries moved: overlapping or not, in range or
+    past the end of the data file."""
+    real, files = _real_dcp()
+    md = pickle.loads(real)  # the test's own file
+    size = len(files["__0_0.distcp"])
+    infos = list(md.storage_data.values())
+    for info in draw(st.lists(st.sampled_from(infos), min_size=1, max_size=len(infos))):
+        if draw(st.booleans()):  # onto another entry's bytes, whole or in part
+            other = draw(st.sampled_from(infos))
+            info.offset = other.offset + draw(st.integers(0, max(other.length - 1, 0)))
+            info.length = draw(st.integers(0, other.length + 8))
+        else:
+            info.offset = draw(st.integers(0, size + 4))
+            info.length = draw(st.integers(0, size + 4))
+    case = MetadataCase(".metadata", pickle.dumps(md, protocol=4), "ranges")
+    in_file = all(i.offset + i.length <= size for i in infos)
+    case.overlap = in_file and _overlaps([(i.relative_path, i.offset, i.length) for i in infos])
+    return case
 
 
 @st.composite
 def metadata_files(draw: st.DrawFn) -> MetadataCase:
     real, _ = _real_dcp()
-    how = draw(st.sampled_from(["valid", "rename", "flip", "splice", "cut", "synth", "wrap"]))
+    how = draw(
+        st.sampled_from(["valid", "rename", "flip", "splice", "cut", "synth", "wrap", "ranges"])
+    )
+    if how == "ranges":  # storage entries moved onto each other's bytes (or not)
+        return draw(_storage_ranges())
     if how == "valid":  # DCP's own file, or one written the way DCP writes them
         return MetadataCase(".metadata", draw(st.sampled_from([real, _synth_valid()])), how)
     if how == "rename":  # a key renamed in place: still valid, and the view must follow
@@ -437,3 +485,173 @@ def zip_files(draw: st.DrawFn) -> ZipCase:
                 continue
             dst.writestr(member, bytes(blob) if member == name else data)
     return ZipCase("zip", out.getvalue(), f"{how} {name}")
+
+
+# -- Hugging Face directories with links ------------------------------------------------------
+
+SECRET = "LEAKED_TOKEN=do-not-copy-me"
+_SMALL = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "modeling_custom.py",
+]
+_KINDS = [
+    "regular",
+    "link_inside",
+    "link_inside_chain",
+    "link_outside_abs",
+    "link_outside_rel",
+    "link_outside_chain",
+    "link_dangling",
+    "link_to_dir",
+    "link_proc",
+    "fifo",
+    "dir",
+]
+_FINE = {"regular", "link_inside", "link_inside_chain"}
+
+
+class HFLinksCase:
+    """A checkpoint and a reference Hugging Face directory, the reference's small files of
+    the drawn kinds (regular, links in and out of it, FIFOs ...), and a victim outside."""
+
+    def __init__(self, files: dict[str, str], hub: bool) -> None:
+        self.files = files
+        self.hub = hub
+
+    def __repr__(self) -> str:
+        return f"HFLinksCase({self.files!r}, hub={self.hub})"
+
+    @property
+    def fine(self) -> bool:
+        """Whether a merge may copy every small file (all regular, inside the directory)."""
+        return all(kind in _FINE for kind in self.files.values())
+
+    def write(self, where: Path) -> tuple[Path, Path, Path, Path]:
+        """``(checkpoint, reference, victim, out)``."""
+        import os
+
+        from safetensors.torch import save_file
+
+        root = Path(tempfile.mkdtemp(dir=where))
+        victim = root / "home" / "secret.txt"
+        victim.parent.mkdir()
+        victim.write_text(SECRET)
+        ckpt = root / "ckpt"
+        ckpt.mkdir()
+        save_file({"w": torch.ones(2)}, str(ckpt / "model.safetensors"))
+        if self.hub:  # models--org--name/snapshots/<rev>, every file linked into blobs
+            ref = root / "models--org--name" / "snapshots" / "rev"
+            blobs = root / "models--org--name" / "blobs"
+            blobs.mkdir(parents=True)
+        else:
+            ref = root / "ref"
+            blobs = None
+        ref.mkdir(parents=True)
+        save_file({"w": torch.zeros(2), "b": torch.zeros(1)}, str(ref / "model.safetensors"))
+        (ref / "real_target.json").write_text('{"inside": true}')
+        for name, kind in self.files.items():
+            path = ref / name
+            if kind == "regular":
+                if blobs is not None:
+                    (blobs / name).write_text('{"blob": 1}')
+                    path.symlink_to(os.path.relpath(blobs / name, ref))
+                else:
+                    path.write_text('{"regular": 1}')
+            elif kind == "link_inside":
+                path.symlink_to("real_target.json")
+            elif kind == "link_inside_chain":
+                (ref / f"{name}.hop").symlink_to("real_target.json")
+                path.symlink_to(f"{name}.hop")
+            elif kind == "link_outside_abs":
+                path.symlink_to(victim)
+            elif kind == "link_outside_rel":
+                path.symlink_to(os.path.relpath(victim, ref))
+            elif kind == "link_outside_chain":
+                (ref / f"{name}.hop").symlink_to(victim)
+                path.symlink_to(f"{name}.hop")
+            elif kind == "link_dangling":
+                path.symlink_to("no_such_file.json")
+            elif kind == "link_to_dir":
+                path.symlink_to(".")
+            elif kind == "link_proc":
+                path.symlink_to("/proc/self/environ")
+            elif kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "dir":
+                path.mkdir()
+        return ckpt, ref, victim, root / "out"
+
+
+@st.composite
+def hf_link_dirs(draw: st.DrawFn) -> HFLinksCase:
+    names = draw(st.lists(st.sampled_from(_SMALL), min_size=1, max_size=4, unique=True))
+    weights = st.sampled_from(["regular"] * 6 + _KINDS)  # mostly fine, so both outcomes come
+    return HFLinksCase({n: draw(weights) for n in names}, draw(st.booleans()))
+
+
+# -- keys a terminal or a stream cannot take as they are ------------------------------------
+
+_NASTY = st.sampled_from(
+    [
+        *map(chr, range(0x00, 0x20)),
+        "\x7f",
+        *map(chr, range(0x80, 0xA0)),
+        "\u202a",
+        "\u202e",
+        "\u2066",
+        "\u2069",
+        "\u2028",
+        "\u200b",
+        "\ufeff",
+        "\ud800",
+        "\udc80",
+        "\udfff",
+        "é",
+        "层",
+        "\U0001f600",
+        "\x1b[2J",
+        "\x1b]0;title\x07",
+        "\r",
+        "\n",
+    ]
+)
+_PLAIN = st.sampled_from(["layers", "0", "1", "w", "attn", "policy 'strict' accepts", "."])
+
+
+class KeysCase:
+    """A checkpoint and a reference whose keys hold control characters, bidirectional
+    overrides, lone surrogates and non-ASCII text; the streams' encoding; colour or not."""
+
+    def __init__(
+        self, ckpt: list[str], ref: list[str], encoding: tuple[str, str], color: str
+    ) -> None:
+        self.ckpt, self.ref, self.encoding, self.color = ckpt, ref, encoding, color
+
+    def __repr__(self) -> str:
+        return f"KeysCase({self.ckpt!r}, {self.ref!r}, {self.encoding}, {self.color})"
+
+    def write(self, where: Path) -> tuple[Path, Path]:
+        root = Path(tempfile.mkdtemp(dir=where))
+        torch.save({k: torch.zeros(1) for k in [*self.ckpt, "shared.w"]}, root / "ckpt.pt")
+        torch.save({k: torch.zeros(1) for k in [*self.ref, "shared.w"]}, root / "ref.pt")
+        return root / "ckpt.pt", root / "ref.pt"
+
+
+_KEY = st.lists(st.one_of(_NASTY, _PLAIN), min_size=1, max_size=8).map("".join)
+
+
+@st.composite
+def hostile_keys(draw: st.DrawFn) -> KeysCase:
+    ckpt = draw(st.lists(_KEY, min_size=1, max_size=5, unique=True))
+    ref = draw(st.lists(_KEY, max_size=3, unique=True))
+    ckpt = [k for k in ckpt if k != "shared.w"] or ["x\x1b"]
+    ref = [k for k in ref if k != "shared.w"]
+    encoding = draw(
+        st.sampled_from([("ascii", "strict"), ("utf-8", "surrogateescape"), ("utf-8", "strict")])
+    )
+    return KeysCase(ckpt, ref, encoding, draw(st.sampled_from(["never", "always"])))

@@ -220,6 +220,73 @@ def edit_metadata(path: Path, edit: Any) -> None:
         pickle.dump(md, f)
 
 
+def overlapping_tensors(path: Path, count: int, numel: int = 1 << 16) -> Path:
+    """A DCP checkpoint of one ``numel``-float tensor and ``count - 1`` more whose storage
+    entries all point at its bytes (each ~100 bytes of ``.metadata``)."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    dcp_checkpoint(path, {"w0": torch.ones(numel)})
+
+    def edit(md: Any) -> None:
+        ((index, info),) = md.storage_data.items()
+        for k in range(1, count):
+            key = f"w{k}"
+            md.state_dict_metadata[key] = copy.deepcopy(md.state_dict_metadata["w0"])
+            md.planner_data[key] = (key,)
+            md.storage_data[MetadataIndex(key, index.offset, index.index)] = info
+
+    edit_metadata(path, edit)
+    return path
+
+
+def overlapping_params(path: Path, count: int, ids: int = 1 << 17) -> Path:
+    """A nested optimizer checkpoint whose ``count`` param groups' ``params`` entries all
+    point at one region: a list of ``ids`` parameter ids (~4 bytes each)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    osd = {"state": {}, "param_groups": [{"lr": 0.1, "params": list(range(ids))}]}
+    dcp_checkpoint(path, {"optim": osd})
+
+    def edit(md: Any) -> None:
+        info = next(v for k, v in md.storage_data.items() if k.fqn.endswith("params"))
+        for g in range(1, count):
+            key = f"optim.param_groups.{g}.params"
+            md.state_dict_metadata[key] = BytesStorageMetadata()
+            md.planner_data[key] = ("optim", "param_groups", g, "params")
+            md.storage_data[MetadataIndex(key)] = info
+
+    edit_metadata(path, edit)
+    return path
+
+
+def deep_path(depth: int, keys: int = 1) -> bytes:
+    """A valid ``Metadata`` whose ``keys`` bytes entries sit ``depth`` dicts deep: each
+    path is ``("a",) * depth + ("k<i>",)`` (one memoized ``"a"``, two bytes per part) and
+    each key the path joined with dots, as DCP writes it."""
+    entries = []
+    planner = []
+    for n in range(keys):
+        key = ".".join(["a"] * depth + [f"k{n}"])
+        entries.append(s(key) + bytes_entry())
+        first = s("a") + MEMO if n == 0 else get(0)  # memo 0: the first "a"
+        planner.append(s(key) + MARK + first + get(0) * (depth - 1) + s(f"k{n}") + TUPLE + MEMO)
+    return (
+        PROTO4
+        + record(
+            "Metadata",
+            {
+                "state_dict_metadata": EMPTY_DICT + MARK + b"".join(entries) + SETITEMS,
+                "planner_data": EMPTY_DICT + MARK + b"".join(planner) + SETITEMS,
+                "storage_data": NONE,
+            },
+        )
+        + STOP
+    )
+
+
 # -- safetensors headers -------------------------------------------------------------------
 
 
@@ -299,6 +366,53 @@ def run_child(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[s
     )
 
 
+_BOUNDED_CLI = """
+import os, sys, time
+import torch, torch.distributed.checkpoint, safetensors.torch  # mapped before the limit
+import hostile_files as hf
+from dsdmerge import cli
+hf.limit_memory(int(os.environ["DSDMERGE_TEST_EXTRA_BYTES"]))
+start = time.perf_counter()
+code = cli.main(sys.argv[1:])
+with open(os.environ["DSDMERGE_TEST_SECONDS_FILE"], "w") as f:
+    f.write(repr(time.perf_counter() - start))
+sys.exit(code)
+"""
+
+
+def run_cli_bounded(
+    *args: str,
+    seconds: float,
+    extra: int = 1 << 30,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``dsdmerge ARGS`` in a child whose address space is capped at what the imports took
+    plus ``extra`` bytes; returns the finished process and the seconds ``main`` took (the
+    child is killed after ``timeout``, by default four times ``seconds``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        timing = Path(tmp, "seconds")
+        child_env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+            "DSDMERGE_TEST_EXTRA_BYTES": str(extra),
+            "DSDMERGE_TEST_SECONDS_FILE": str(timing),
+            **(env or {}),
+        }
+        child_env.pop("DSDMERGE_TRACEBACK", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", _BOUNDED_CLI, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout or 4 * seconds,
+            env=child_env,
+        )
+        took = float(timing.read_text()) if timing.exists() else float("inf")
+    return proc, took
+
+
 def read_bounded(path: Path) -> tuple[str, float]:
     """Read ``path`` with each reader: ``"ok"`` (``read_metadata`` returned a view),
     ``"refused"`` (a DSDMergeError), or what went wrong; and the seconds it took."""
@@ -364,5 +478,144 @@ def _child(kind: str, where: str) -> int:
     return 0
 
 
+# -- the command line on hostile directories and keys ---------------------------------------
+
+
+def cli_bytes(
+    *args: str, encoding: str = "utf-8", errors: str = "strict"
+) -> subprocess.CompletedProcess[bytes]:
+    """``dsdmerge ARGS`` in this process, its stdout and stderr streams of that encoding (as
+    ``PYTHONIOENCODING=ascii`` or a C locale make them), their bytes undecoded."""
+    import contextlib
+    import io
+
+    from dsdmerge import cli
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors, newline="\n")
+    err = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors, newline="\n")
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+        out.flush()
+        err.flush()
+    return subprocess.CompletedProcess(
+        list(args), code, out.buffer.getvalue(), err.buffer.getvalue()
+    )
+
+
+_OUR_SGR = [b"\x1b[0m", b"\x1b[1m", b"\x1b[2m", *(b"\x1b[%dm" % n for n in range(30, 37))]
+
+
+def raw_controls(data: bytes, *, color: bool = False) -> list[str]:
+    """Characters in ``data`` that would drive a terminal (our own colours aside)."""
+    if color:
+        for sgr in _OUR_SGR:
+            data = data.replace(sgr, b"")
+    text = data.decode("utf-8", errors="replace")
+    return sorted({c for c in text if not c.isprintable() and c not in "\n\ufffd"})
+
+
+def _hf_links_property(case: Any, where: Path) -> str:
+    """merge over a reference with hostile small files: refused by name (exit 2, nothing
+    written), or OUT holds only regular files dsdmerge writes, none holding the victim."""
+    from dsdmerge.integrations.writing import is_hf_file
+
+    ckpt, ref, victim, out = case.write(where)
+    proc = cli_bytes("merge", str(ckpt), str(ref), "-o", str(out))
+    assert victim.read_text().startswith("LEAKED_TOKEN"), case
+    if proc.returncode == 2:
+        lines = proc.stderr.decode().strip().splitlines()
+        assert len(lines) == 1, (case, lines)
+        assert any(name in lines[0] for name in case.files), (case, lines)
+        assert not out.exists(), case
+        assert not case.fine, (case, lines)
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(".out.")], case
+        return "refused"
+    assert proc.returncode == 0, (case, proc.stderr)
+    assert case.fine, case
+    for path in out.iterdir():
+        assert path.is_file(), (case, path)
+        assert not path.is_symlink(), (case, path)
+        assert is_hf_file(path.name), (case, path)
+        assert b"LEAKED_TOKEN" not in path.read_bytes(), (case, path)
+    return "ok"
+
+
+def _keys_property(case: Any, where: Path) -> str:
+    """Every report of hostile keys: finished, exit code as the command says, nothing raw on
+    either stream; --json and OUT keep every key exactly."""
+    ckpt, ref = (str(p) for p in case.write(where))
+    encoding, errors = case.encoding
+    color = ["--color", case.color]
+    outcomes = set()
+    for command, codes in (
+        (["inspect", ckpt, "--stat"], {0}),
+        (["diff", ckpt, ref, "--stat"], {0, 1}),
+        (["check", ckpt, ref, "--policy", "strict"], {0, 1}),
+        (["check", ckpt, ref], {0, 1}),
+    ):
+        proc = cli_bytes(*command, *color, encoding=encoding, errors=errors)
+        assert proc.returncode in codes | {2}, (case, command, proc.stderr)
+        if proc.returncode == 2:
+            assert len(proc.stderr.splitlines()) == 1, (case, command, proc.stderr)
+        else:
+            assert proc.stdout.endswith(b"\n"), (case, command)
+        outcomes.add(proc.returncode)
+        assert not raw_controls(proc.stdout, color=case.color == "always"), (case, command)
+        assert not raw_controls(proc.stderr), (case, command, proc.stderr)
+    proc = cli_bytes("diff", ckpt, ref, "--json", encoding=encoding, errors=errors)
+    if proc.returncode != 2:
+        out = json.loads(proc.stdout)
+        # exact, as far as JSON can say: two lone surrogates that form a pair read back as
+        # the one character they spell (JSON strings are UTF-16 code units)
+        spelled = {k: json.loads(json.dumps(k)) for k in [*case.ckpt, *case.ref]}
+        assert set(out["unexpected"]) == {spelled[k] for k in set(case.ckpt) - set(case.ref)}
+        assert set(out["missing"]) == {spelled[k] for k in set(case.ref) - set(case.ckpt)}
+    merged = where / "merged.pt"
+    proc = cli_bytes(
+        "merge", ckpt, ref, "-o", str(merged), "--force", *color, encoding=encoding, errors=errors
+    )
+    assert not raw_controls(proc.stdout, color=case.color == "always"), case
+    assert not raw_controls(proc.stderr), (case, proc.stderr)
+    if proc.returncode == 0:
+        import torch
+
+        assert set(torch.load(merged, weights_only=True)) == {*case.ckpt, *case.ref, "shared.w"}
+        assert proc.stdout.startswith(b"wrote "), case
+        return "ok"
+    assert proc.returncode in (1, 2), (case, proc.stderr)
+    return "refused"
+
+
+def _child_cli(kind: str, where: str) -> int:
+    """The command line's properties, in this (bounded) process."""
+    import conftest  # noqa: F401 - registers the profiles
+    import fuzz_strategies as fs
+    from hypothesis import given, settings
+
+    os.chdir(where)
+    limit_memory(1 << 30)
+    strategy, check = {
+        "hf_links": (fs.hf_link_dirs, _hf_links_property),
+        "keys": (fs.hostile_keys, _keys_property),
+    }[kind]
+    seen = {"ok": 0, "refused": 0}
+
+    @settings(database=None, print_blob=True)
+    @given(strategy())
+    def prop(case: Any) -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=where) as tmp:
+            start = time.perf_counter()
+            seen[check(case, Path(tmp))] += 1
+            assert time.perf_counter() - start < 30, case
+
+    prop()
+    print(json.dumps(seen))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] in ("hf_links", "keys"):
+        sys.exit(_child_cli(sys.argv[1], sys.argv[2]))
     sys.exit(_child(sys.argv[1], sys.argv[2]))

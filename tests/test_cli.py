@@ -412,7 +412,9 @@ def test_merge_safetensors_refuses_non_tensor_values(files, tmp_path):
 def test_a_failure_mid_write_leaves_out_as_it_was(
     files, tmp_path, monkeypatch, capsys, fmt, writer, existing
 ):
-    real = getattr(cli, writer)
+    from dsdmerge.integrations import writing
+
+    real = getattr(writing, writer)
 
     def half_then_fail(state_dict, tmp):
         real(state_dict, tmp)  # the data is written ...
@@ -421,7 +423,7 @@ def test_a_failure_mid_write_leaves_out_as_it_was(
             f.truncate(target.stat().st_size // 2)
         raise OSError(28, "No space left on device")  # ... and the disk fills up
 
-    monkeypatch.setattr(cli, writer, half_then_fail)
+    monkeypatch.setattr(writing, writer, half_then_fail)
     name = "ckpt.pt" if fmt == "torch" else "ckpt_dcp"
     ref = "ref.pt" if fmt == "torch" else "ref_dcp"
     out = tmp_path / ("out.pt" if fmt == "torch" else "out_dcp")

@@ -11,6 +11,7 @@ from test_cli import assert_error, run, run_here
 
 import dsdmerge as dm
 from dsdmerge import cli
+from dsdmerge.integrations.reference import reference_state_dict
 
 BUILDER = textwrap.dedent(
     """
@@ -105,7 +106,7 @@ def test_reference_errors(builder, tmp_path):
 
 def test_reference_state_dict_doctest_form():
     model = torch.nn.Linear(2, 1)
-    sd = cli.reference_state_dict(
+    sd = reference_state_dict(
         {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
     )
     assert "momentum_buffer" in sd["optim"]["state"]["weight"]

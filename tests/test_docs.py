@@ -230,6 +230,12 @@ def setup_cli_example(tmp: Path) -> dict[str, Any]:
     return {}
 
 
+def setup_split_fused(tmp: Path) -> dict[str, Any]:
+    torch.save({f"attn.{n}_proj.weight": torch.zeros(4, 8) for n in "qkv"}, tmp / "split.pt")
+    torch.save({"attn.qkv_proj.weight": torch.zeros(12, 8)}, tmp / "fused.pt")
+    return {}
+
+
 SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "trainer": setup_trainer,
     "renamed": setup_renamed,
@@ -237,6 +243,7 @@ SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "newhead": setup_newhead,
     "fresh-model": setup_fresh_model,
     "cli-example": setup_cli_example,
+    "split-fused": setup_split_fused,
 }
 
 

@@ -25,6 +25,7 @@ LAYERS = [
     # foundations: errors, text, leaf values, policies, layouts, report text
     "dsdmerge.errors",
     "dsdmerge._gc",
+    "dsdmerge._torch_api",
     "dsdmerge._paths",
     "dsdmerge._text",
     "dsdmerge._values",
@@ -33,6 +34,9 @@ LAYERS = [
     "dsdmerge.layout",
     # the records everything below the verbs produces
     "dsdmerge._records",
+    # layout conversions as data: key templates, the conversion records
+    "dsdmerge._templates",
+    "dsdmerge._conversions",
     # the engine, one module per concept
     "dsdmerge._trees",
     "dsdmerge._table",
@@ -48,6 +52,10 @@ LAYERS = [
     "dsdmerge.rename",
     "dsdmerge.resize",
     "dsdmerge.rekey",
+    # layout conversions: one parameter's values, then whole state dicts
+    "dsdmerge._convert_ops",
+    "dsdmerge._convert_parts",
+    "dsdmerge.convert",
     "dsdmerge.diff",
     "dsdmerge.merge",
     "dsdmerge.strategies",
@@ -59,6 +67,10 @@ LAYERS = [
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
     "dsdmerge.integrations.resume",
+    "dsdmerge.integrations.hooks",
+    "dsdmerge.integrations.lightning",
+    "dsdmerge.integrations.writing",
+    "dsdmerge.integrations.reference",
     "dsdmerge.integrations",
     # the package, the demo, the command line
     "dsdmerge",
@@ -179,3 +191,26 @@ def test_each_module_imports_with_only_the_modules_below_it():
     assert done.returncode == 0, done.stderr
     failed = json.loads(done.stdout.strip().splitlines()[-1])
     assert not failed, done.stderr
+
+
+def test_examples_use_the_library_not_the_command_line():
+    """Examples show what a user's code calls: nothing from ``dsdmerge.cli``."""
+    examples = PACKAGE.parent / "examples"
+    modules = set(_modules())
+    for path in sorted(examples.glob("*.py")):
+        names = [name for name, _ in _imports(path, modules)]
+        assert not [n for n in names if n.startswith("dsdmerge.cli")], path.name
+
+
+def test_the_command_lines_errors_are_dsdmerge_errors():
+    import dsdmerge as dm
+    from dsdmerge import cli
+
+    assert issubclass(cli.CLIError, dm.DSDMergeError)
+    assert issubclass(dm.CheckpointWriteError, dm.DSDMergeError)
+    assert issubclass(dm.CheckpointWriteError, OSError)
+    from dsdmerge.integrations import writing
+
+    with pytest.warns(DeprecationWarning, match="dsdmerge.integrations.writing.write_checkpoint"):
+        old = cli.write_checkpoint
+    assert old is writing.write_checkpoint

@@ -242,9 +242,85 @@ def test_backreferences_and_presets():
         "fsdp1",
         "peft",
         "lora",
+        "to_peft",
+        "lora_adapter_name",
+        "to_lora_adapter_name",
     }
     with pytest.raises(TypeError):
         dm.RENAME_PRESETS["mine"] = {}  # type: ignore[index]
+
+
+PLAIN = "model.layers.0.self_attn.q_proj"
+PEFT = "base_model.model." + PLAIN
+
+
+@pytest.mark.parametrize(
+    ("keys", "preset", "renamed"),
+    [
+        # a plain checkpoint into a PEFT model, and back
+        ([f"{PLAIN}.weight"], "to_peft", [f"{PEFT}.weight"]),
+        ([f"{PEFT}.weight"], "to_peft", [f"{PEFT}.weight"]),  # already there: untouched
+        ([f"{PEFT}.weight"], "peft", [f"{PLAIN}.weight"]),
+        # PEFT's adapter name: in the model, not in the adapter file save_pretrained writes
+        (
+            [f"{PEFT}.lora_A.default.weight", f"{PEFT}.lora_embedding_B.default"],
+            "lora_adapter_name",
+            [f"{PEFT}.lora_A.weight", f"{PEFT}.lora_embedding_B"],
+        ),
+        (
+            [f"{PEFT}.lora_A.weight", f"{PEFT}.lora_magnitude_vector", "x.lora_Ab.weight"],
+            "to_lora_adapter_name",
+            [
+                f"{PEFT}.lora_A.default.weight",
+                f"{PEFT}.lora_magnitude_vector.default",
+                "x.lora_Ab.weight",
+            ],
+        ),
+        (
+            [f"{PEFT}.lora_A.default.weight"],
+            "to_lora_adapter_name",
+            [f"{PEFT}.lora_A.default.weight"],
+        ),
+    ],
+)
+def test_peft_presets_both_directions(keys, preset, renamed):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.DSDMergeWarning)  # a rule that matches nothing
+        out = dm.rename(dict.fromkeys(keys, 1), preset)
+    assert list(out) == renamed
+
+
+def _t(*shape):
+    return torch.zeros(shape)
+
+
+def test_diff_suggests_the_peft_presets():
+    adapter_file = {f"{PEFT}.lora_A.weight": _t(2, 8), f"{PEFT}.lora_B.weight": _t(8, 2)}
+    model = {f"{PEFT}.lora_A.default.weight": _t(2, 8), f"{PEFT}.lora_B.default.weight": _t(8, 2)}
+    assert [s.preset for s in dm.diff(adapter_file, model).renames] == ["to_lora_adapter_name"]
+    assert [s.preset for s in dm.diff(model, adapter_file).renames] == ["lora_adapter_name"]
+    plain = {f"{PLAIN}.weight": _t(8, 8), "model.norm.weight": _t(8)}
+    peft = {"base_model.model." + k: v for k, v in plain.items()}
+    d = dm.diff(plain, peft)
+    assert [s.preset for s in d.renames] == ["to_peft"]
+    assert not dm.diff(plain, peft, rename=d.suggested_rules)
+    assert [s.preset for s in dm.diff(peft, plain).renames] == ["peft"]
+
+
+def test_diff_suggests_base_layer_for_a_new_lora_target():
+    """A full PEFT checkpoint resumed after v_proj became a LoRA target: its weights moved."""
+    v = "base_model.model.model.layers.0.self_attn.v_proj"
+    old = {f"{v}.weight": _t(8, 8), f"{v}.bias": _t(8), f"{PEFT}.base_layer.weight": _t(8, 8)}
+    new = {
+        f"{v}.base_layer.weight": _t(8, 8),
+        f"{v}.base_layer.bias": _t(8),
+        f"{v}.lora_A.default.weight": _t(2, 8),
+        f"{PEFT}.base_layer.weight": _t(8, 8),
+    }
+    d = dm.diff(old, new)
+    assert len(d.renames) == 1
+    assert d.renames[0].params == 2
+    assert dm.diff(old, new, rename=d.suggested_rules).missing == (f"{v}.lora_A.default.weight",)
 
 
 def test_strip_prefix_strips_whole_segments_only():

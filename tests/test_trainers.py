@@ -1,40 +1,32 @@
-"""Trainers' protocols, reproduced without the frameworks: optimizer containers, load hooks,
-Stateful wrappers through DCP.
+"""Trainers' protocols, reproduced where the framework is not a package the tests install:
+an optimizer container, a load hook.
 
-* torchtitan's ``OptimizersContainer``: an ``Optimizer`` subclass that calls
-  ``Optimizer.__init__`` over all parameters (its own param_groups, at the real lr) and
-  holds one optimizer per model part in ``.optimizers``; its ``state_dict()`` /
-  ``load_state_dict()`` go through DSD's flattened form.
+(torchtitan's real ``OptimizersContainer`` and ``CheckpointManager`` are tested in
+tests/test_frameworks_torchtitan.py.)
+
 * VeOmni's ``MultiOptimizer``: an ``Optimizer`` subclass that never calls
   ``Optimizer.__init__`` (no param_groups, no state) and holds ``.optimizers_dict``.
 * verl's ``_backfill_optimizer_state(self, state_dict) -> dict`` between ``torch.load``
   and ``optimizer.load_state_dict``.
-* torchtitan's ``CheckpointManager``: ``dcp.load`` of ``{"model": ..., "optimizer": ...}``
-  whose values are ``Stateful`` wrappers.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import warnings
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from conftest import Snapshot
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
 import dsdmerge as dm
-from dsdmerge.integrations import backfill_optimizer_state, load_dcp, resume_optimizer
+from dsdmerge.integrations import backfill_optimizer_state, resume_optimizer
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -60,36 +52,6 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x))
-
-
-class TitanContainer(torch.optim.Optimizer):
-    """torchtitan's OptimizersContainer protocol: one optimizer per model part."""
-
-    def __init__(self, parts: list[nn.Module], cls: type, kwargs: dict) -> None:
-        self.model_parts = parts
-        self.optimizers = [
-            cls([p for p in m.parameters() if p.requires_grad], **kwargs) for m in parts
-        ]
-        all_params = [p for m in parts for p in m.parameters() if p.requires_grad]
-        torch.optim.Optimizer.__init__(self, all_params, kwargs)
-
-    def step(self, *args, **kwargs):  # type: ignore[override]
-        for o in self.optimizers:
-            o.step(*args, **kwargs)
-
-    def zero_grad(self, *args, **kwargs):  # type: ignore[override]
-        for o in self.optimizers:
-            o.zero_grad(*args, **kwargs)
-
-    def state_dict(self):  # type: ignore[override]
-        func = functools.partial(get_optimizer_state_dict, options=FLAT)
-        return {k: v for sd in map(func, self.model_parts, self.optimizers) for k, v in sd.items()}
-
-    def load_state_dict(self, state_dict):  # type: ignore[override]
-        func = functools.partial(
-            set_optimizer_state_dict, optim_state_dict=state_dict, options=FLAT
-        )
-        list(map(func, self.model_parts, self.optimizers))
 
 
 class VeOmniMulti(torch.optim.Optimizer, Stateful):
@@ -131,19 +93,6 @@ def train(model, optim, steps=3, seed=0):
         optim.zero_grad()
 
 
-def stage(**parts: nn.Module) -> nn.Module:
-    """A pipeline stage: the model with only some of its modules, under their full names."""
-    out = nn.Module()
-    for name, part in parts.items():
-        out.add_module(name, part)
-    return out
-
-
-def titan(model):
-    parts = [stage(a=model.a), stage(b=model.b)]  # two pipeline stages, as torchtitan's
-    return TitanContainer(parts, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
-
-
 def veomni(model):
     a = torch.optim.AdamW(model.a.parameters(), lr=0.01)
     b = torch.optim.AdamW(model.b.parameters(), lr=0.02)
@@ -158,7 +107,7 @@ def leaves_of(container):
     )
 
 
-CONTAINERS = {"torchtitan": titan, "veomni": veomni}
+CONTAINERS = {"veomni": veomni}
 
 
 @pytest.fixture(params=sorted(CONTAINERS))
@@ -301,67 +250,6 @@ def test_verl_hook_with_veomni_multioptimizer(tmp_path):
     # the default (as fresh) cannot go through DSD's flattened load: said before anything
     with pytest.raises(dm.InvalidPolicyError, match="fresh='reference'"):
         backfill_optimizer_state(torch.load(tmp_path / "optim.pt"), optim2, model=model2)
-
-
-# -- torchtitan's CheckpointManager: Stateful values through DCP -------------------------
-
-
-class ModelWrapper(Stateful):
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self):
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict):
-        set_model_state_dict(self.model, state_dict)
-
-
-class TrainState(Stateful):
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": torch.tensor(self.step)}
-
-    def load_state_dict(self, state_dict):
-        self.step = int(state_dict["step"])
-
-
-def test_load_dcp_takes_stateful_wrappers_and_reports_the_true_difference(tmp_path):
-    torch.manual_seed(0)
-    model = Model()
-    optim = titan(model)
-    train(model, optim)
-    ts = TrainState()
-    ts.step = 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(
-            {"model": ModelWrapper(model), "optimizer": optim, "train_state": ts},
-            checkpoint_id=str(tmp_path),
-        )
-    model2 = Model()
-    optim2 = titan(model2)
-    ts2 = TrainState()
-    states = {"model": ModelWrapper(model2), "optimizer": optim2, "train_state": ts2}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, diff = load_dcp(
-            tmp_path, states, policy="strict", allow_missing="optimizer.state.*indexer*"
-        )
-    # the indexer's keys, not "3 missing, N unexpected"
-    assert diff.unexpected == ()
-    assert diff.missing
-    assert all(".indexer." in k for k in diff.missing)
-    assert ts2.step == 3
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in model2.state_dict().items())
-    for leaf, trained_leaf in zip(optim2.optimizers, optim.optimizers, strict=True):
-        a = leaf.state_dict()["state"]
-        b = trained_leaf.state_dict()["state"]
-        # params: indexer.weight 0, indexer.bias 1, proj.weight 2, proj.bias 3
-        assert torch.equal(a[2]["exp_avg"], b[2]["exp_avg"])
-        assert torch.equal(a[3]["exp_avg_sq"], b[3]["exp_avg_sq"])
 
 
 # -- untouched on error, every path ------------------------------------------------------

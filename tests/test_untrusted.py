@@ -5,6 +5,7 @@ survive; the CLI's exit code and one-line message are checked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -14,15 +15,17 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import hostile_files as hf
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import Evil, dcp_save
 
 import dsdmerge as dm
-from dsdmerge import cli
+from dsdmerge import _torch_api, cli
 from dsdmerge.integrations import CheckpointView, detect_format, load_checkpoint, read_metadata
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
 
@@ -664,12 +667,14 @@ def test_a_name_that_disagrees_with_the_format_is_refused(pair, name, fmt, words
 
 
 def test_output_format_is_a_pure_function():
-    assert cli.output_format(Path("a.PT")) == "torch"
-    assert cli.output_format(Path("a.bin")) == "torch"
-    assert cli.output_format(Path("dir/step-1000")) == "dcp"
-    assert cli.output_format(Path("x.ckpt"), "safetensors") == "safetensors"
-    with pytest.raises(cli.CLIError):
-        cli.output_format(Path("x.pth"), "dcp")
+    from dsdmerge.integrations.writing import output_format
+
+    assert output_format(Path("a.PT")) == "torch"
+    assert output_format(Path("a.bin")) == "torch"
+    assert output_format(Path("dir/step-1000")) == "dcp"
+    assert output_format(Path("x.ckpt"), "safetensors") == "safetensors"
+    with pytest.raises(dm.CheckpointWriteError):
+        output_format(Path("x.pth"), "dcp")
 
 
 def test_the_flat_view_shortcut_agrees_with_rebuilding_the_nesting(tmp_path):
@@ -707,3 +712,326 @@ def test_a_fifo_or_device_is_never_read_as_a_checkpoint(tmp_path):
     os.mkfifo(dcp / ".metadata")
     with pytest.raises(dm.CheckpointReadError, match="not a regular file"):
         read_metadata(dcp)
+
+
+# -- 9. reading is bounded by the bytes on disk, whatever the storage entries say ----------
+
+
+BOUNDED_ONE = textwrap.dedent(
+    """
+    import sys, time, pathlib
+    import hostile_files as hf
+    import dsdmerge as dm
+    from dsdmerge.integrations import read_metadata, load_checkpoint
+    import torch.distributed.checkpoint
+    hf.limit_memory(int(sys.argv[3]) << 20)
+    ckpt = pathlib.Path(sys.argv[1])
+    read = {"read_metadata": read_metadata, "load_checkpoint": load_checkpoint}[sys.argv[2]]
+    kwargs = {"key": sys.argv[4]} if len(sys.argv) > 4 else {}
+    start = time.perf_counter()
+    try:
+        read(ckpt, **kwargs)
+        print("read")
+    except dm.DSDMergeError as err:
+        cause = err
+        while cause is not None:
+            assert not isinstance(cause, (MemoryError, RecursionError)), err
+            cause = cause.__cause__ or cause.__context__
+        print(type(err).__name__, str(err).splitlines()[0][:400])
+    print("seconds", time.perf_counter() - start)
+    """
+)
+
+
+def bounded(path: Path, read: str, *, mib: int = 512, key: str | None = None) -> str:
+    """``read(path)`` in a child with ``mib`` MiB of address space more than its imports
+    took; returns its one outcome line, after checking it took under 30 s."""
+    env = {**os.environ, "PYTHONPATH": f"{hf.ROOT}{os.pathsep}{hf.ROOT / 'tests'}"}
+    args = [sys.executable, "-c", BOUNDED_ONE, str(path), read, str(mib), *([key] if key else [])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome, seconds = proc.stdout.strip().splitlines()
+    assert float(seconds.split()[1]) < 30, (outcome, seconds)
+    return outcome
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def test_tensors_mapped_onto_one_region_are_refused_before_anything_is_allocated(tmp_path):
+    # 4096 tensors of 256 KiB on one 256 KiB region: 1 GiB from a directory of ~0.6 MB
+    ckpt = hf.overlapping_tensors(tmp_path / "ckpt", 4096)
+    assert disk_bytes(ckpt) < 1 << 20
+    view = read_metadata(ckpt)  # metadata only: the claims, as claims
+    assert len(view) == 4096
+    outcome = bounded(ckpt, "load_checkpoint", mib=256)
+    assert outcome.startswith("CheckpointReadError"), outcome
+    assert "overlap" in outcome, outcome
+    assert "nothing was read" in outcome, outcome
+    assert_error(run_here("merge", str(ckpt), str(ckpt), "-o", str(tmp_path / "o.pt")), "overlap")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_two_names_of_one_data_file_are_one_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"a": torch.ones(4), "b": torch.ones(4)}, ckpt)
+    os.link(ckpt / "__0_0.distcp", ckpt / "copy.distcp")  # a hard link: the same bytes
+
+    def edit(md):
+        infos = sorted(md.storage_data.values(), key=lambda i: i.offset)
+        infos[1].relative_path, infos[1].offset = "copy.distcp", infos[0].offset
+
+    hf.edit_metadata(ckpt, edit)
+    with pytest.raises(dm.CheckpointReadError, match="overlap"):
+        load_checkpoint(ckpt)
+
+
+def test_param_groups_sharing_one_params_region_are_refused_in_bounded_time(tmp_path):
+    # 2000 groups' params entries on one region of 131,072 ids (~0.5 MB): reading each
+    # would unpickle 262 million ids (minutes and gigabytes) from a ~1 MB directory
+    ckpt = hf.overlapping_params(tmp_path / "ckpt", 2000)
+    assert disk_bytes(ckpt) < 2 << 20
+    for read in ("read_metadata", "load_checkpoint"):
+        outcome = bounded(ckpt, read, mib=512)
+        assert outcome.startswith("CheckpointReadError"), outcome
+        assert "overlap" in outcome, outcome
+        assert "param_groups" in outcome, outcome
+    assert_error(run_here("inspect", str(ckpt)), "overlap")
+    assert_error(run_here("check", str(ckpt), str(ckpt)), "overlap")
+
+
+def test_a_valid_nested_optimizer_view_reads_each_params_entry_once(tmp_path, monkeypatch):
+    from dsdmerge.integrations import checkpoints as c
+
+    ckpt = nested_optimizer_checkpoint(tmp_path / "ckpt")
+    reads = []
+    real = c._read_region
+    monkeypatch.setattr(c, "_read_region", lambda *a: reads.append(a[1]) or real(*a))
+    view = read_metadata(ckpt)
+    assert reads == ["optim.param_groups.0.params"]
+    assert "optim.param_groups.1.lr" in view  # one row per parameter id the entry lists
+
+
+@pytest.mark.parametrize(("depth", "keys"), [(100_000, 1), (3_000, 40)])
+def test_deep_planner_paths_cost_time_linear_in_the_file(tmp_path, depth, keys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(hf.deep_path(depth, keys))
+    assert (ckpt / ".metadata").stat().st_size < 1 << 20
+    for read, key in [("read_metadata", None), ("read_metadata", "a.a"), ("load_checkpoint", None)]:
+        outcome = bounded(ckpt, read, mib=512, key=key)
+        assert outcome.startswith("CheckpointReadError"), outcome
+        assert "nested" in outcome, outcome
+
+
+def test_moderately_deep_paths_still_read(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(hf.deep_path(24, 5))
+    view = read_metadata(ckpt)
+    assert list(view) == [".".join(["a"] * 24 + [f"k{n}"]) for n in range(5)]
+    assert view.layout is dm.Layout.NESTED
+    part = read_metadata(ckpt, key=".".join(["a"] * 20))
+    assert list(part) == [".".join(["a"] * 4 + [f"k{n}"]) for n in range(5)]
+    assert part.layout is dm.Layout.NESTED
+
+
+# -- 10. named storage classes in .metadata: admitted, built without running their code ------
+
+
+@dataclasses.dataclass
+class OlmoLikeStorageInfo:
+    """A storage entry class of another DCP writer (as OLMo-core's ``_StorageInfo``)."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+    def __setstate__(self, state):  # the safe reader builds it without running this
+        RAN.append(state)
+        self.__dict__.update(state)
+
+
+RAN: list = []
+
+
+OLMO_LIKE = "test_untrusted.OlmoLikeStorageInfo"
+
+
+def olmo_like_checkpoint(path: Path) -> dict:
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    sd = {"model": model.state_dict(), "optim": sgd.state_dict(), "step": 3}
+    dcp_save(sd, path)
+
+    def edit(md):
+        for index, info in md.storage_data.items():
+            md.storage_data[index] = OlmoLikeStorageInfo(
+                info.relative_path, info.offset, info.length
+            )
+
+    hf.edit_metadata(path, edit)
+    return sd
+
+
+class OlmoLikeReader(torch.distributed.checkpoint.FileSystemReader):
+    """A storage reader that knows its writer's storage class (as OLMo-core's does)."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        assert all(type(v) is OlmoLikeStorageInfo for v in metadata.storage_data.values())
+        self.storage_data = {
+            k: _StorageInfo(v.relative_path, v.offset, v.length)
+            for k, v in metadata.storage_data.items()
+        }
+
+
+def test_named_storage_classes_are_honoured_for_dcp_metadata(tmp_path, canary):
+    ckpt = tmp_path / "ckpt"
+    sd = olmo_like_checkpoint(ckpt)
+    with pytest.raises(dm.UnsafeCheckpointError, match=OLMO_LIKE) as info:
+        read_metadata(ckpt)
+    assert "trusted=['module.Name']" in str(info.value)
+    view = read_metadata(ckpt, trusted=[OLMO_LIKE])
+    assert view["model.weight"] == dm.TensorMeta((2, 3), torch.float32)
+    assert "optim.param_groups.1.momentum" in view  # the params entry was read: ids [0, 1]
+    _view, md = read_dcp_metadata(str(ckpt), trusted=[OLMO_LIKE])
+    assert {type(v) for v in md.storage_data.values()} == {OlmoLikeStorageInfo}
+    assert RAN == []  # no code of the trusted class ran
+    assert md == pickle.loads((ckpt / ".metadata").read_bytes())  # as torch's own reader
+    assert RAN
+    loaded = load_checkpoint(ckpt, trusted=[OLMO_LIKE], storage_reader=OlmoLikeReader(ckpt))
+    assert torch.equal(loaded["model"]["weight"], sd["model"]["weight"])
+    assert loaded["step"] == 3
+    proc = run_here("inspect", str(ckpt), "--safe-globals", OLMO_LIKE)
+    assert proc.returncode == 0, proc.stderr
+    assert "model.{bias,weight}" in proc.stdout
+    # only what is named: another class stays refused, and a name is not a class grant
+    with pytest.raises(dm.UnsafeCheckpointError):
+        read_metadata(ckpt, trusted=["test_untrusted.Sneaky"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"relative_path": 3},
+        {"offset": -1},
+        {"length": "8"},
+        {"extra": 1},
+        {"relative_path": ["a"]},
+    ],
+)
+def test_a_named_storage_class_gets_only_plain_checked_fields(tmp_path, fields):
+    ckpt = tmp_path / "ckpt"
+    olmo_like_checkpoint(ckpt)
+
+    def edit(md):
+        info = next(iter(md.storage_data.values()))
+        info.__dict__.update(fields)
+
+    hf.edit_metadata(ckpt, edit)
+    with pytest.raises(dm.CheckpointReadError, match="OlmoLikeStorageInfo"):
+        read_metadata(ckpt, trusted=[OLMO_LIKE])
+
+
+def test_a_named_class_is_admitted_only_as_a_storage_entry(tmp_path, canary):
+    ckpt = tmp_path / "ckpt"
+    olmo_like_checkpoint(ckpt)
+
+    def edit(md):  # the trusted class where a tensor entry stands
+        md.state_dict_metadata["step"] = OlmoLikeStorageInfo("x", 0, 1)
+
+    hf.edit_metadata(ckpt, edit)
+    with pytest.raises(dm.CheckpointReadError, match="an entry"):
+        read_metadata(ckpt, trusted=[OLMO_LIKE])
+
+
+def test_storage_reader_reads_what_the_default_reader_reads(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = nested_optimizer_checkpoint(tmp_path / "ckpt")
+    plain = load_checkpoint(ckpt)
+    through = load_checkpoint(ckpt, storage_reader=FileSystemReader(str(ckpt)))
+    assert list(dm.flatten(through)) == list(dm.flatten(plain))
+    for key, value in dm.flatten(plain).items():
+        other = dm.flatten(through)[key]
+        assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
+    assert dict(read_metadata(ckpt, storage_reader=FileSystemReader(str(ckpt)))) == dict(
+        read_metadata(ckpt)
+    )
+    # the metadata is still read by the safe reader, never by the reader's own unpickling
+    (ckpt / ".metadata").write_bytes(hf.bytearray_bomb())
+    with pytest.raises(dm.UnsafeCheckpointError):
+        read_metadata(ckpt, storage_reader=FileSystemReader(str(ckpt)))
+    with pytest.raises(dm.InvalidPolicyError, match="StorageReader"):
+        load_checkpoint(nested_optimizer_checkpoint(tmp_path / "c2"), storage_reader=object())
+
+
+def test_a_remote_checkpoint_needs_trust_to_let_its_reader_read_the_metadata(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.arange(3.0)}, ckpt)
+    reader = FileSystemReader(str(ckpt))
+    with pytest.raises(dm.CheckpointReadError, match="trusted=True"):
+        read_metadata("s3://bucket/ckpt", storage_reader=reader)
+    view = read_metadata("s3://bucket/ckpt", storage_reader=reader, trusted=True)
+    assert view["w"] == dm.TensorMeta((3,), torch.float32)
+    loaded = load_checkpoint("s3://bucket/ckpt", storage_reader=reader, trusted=True)
+    assert torch.equal(loaded["w"], torch.arange(3.0))
+
+
+def test_a_real_olmo_core_checkpoint_reads_with_its_storage_class_and_reader(tmp_path):
+    fs = pytest.importorskip("olmo_core.distributed.checkpoint.filesystem")
+    name = "olmo_core.distributed.checkpoint.filesystem._StorageInfo"
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    sd = {"model": model.state_dict(), "optim": adam.state_dict()}
+    ckpt = tmp_path / "model_and_optim"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=fs.RemoteFileSystemWriter(str(ckpt), thread_count=1))
+    with pytest.raises(dm.UnsafeCheckpointError, match=name.replace(".", r"\.")):
+        read_metadata(ckpt)
+    view = read_metadata(ckpt, trusted=[name], storage_reader=fs.RemoteFileSystemReader(ckpt))
+    assert view["model.weight"] == dm.TensorMeta((2, 3), torch.float32)
+    assert view["optim.state.0.exp_avg"] == dm.TensorMeta((2, 3), torch.float32)
+    loaded = load_checkpoint(
+        ckpt, trusted=[name], storage_reader=fs.RemoteFileSystemReader(ckpt, thread_count=1)
+    )
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+    assert torch.equal(
+        loaded["optim"]["state"]["0"]["exp_avg"], adam.state[model.weight]["exp_avg"]
+    )
+    assert loaded["optim"]["param_groups"][0]["params"] == [0, 1]
+
+
+@pytest.mark.skipif(
+    "strides" not in _torch_api.tensor_properties_fields(),
+    reason="TensorProperties has strides since torch 2.15",
+)
+def test_a_strides_tuple_shared_between_tensors_reads_as_torch_reads_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"a": torch.ones(2, 3), "b": torch.zeros(2, 3)}, ckpt)
+
+    def edit(md):  # one tuple object for both (a writer that copies properties shares it)
+        shared = md.state_dict_metadata["a"].properties.strides
+        md.state_dict_metadata["b"].properties.strides = shared
+
+    hf.edit_metadata(ckpt, edit)
+    data = (ckpt / ".metadata").read_bytes()
+    assert data.count(b"\x86\x94t\x94b") == 1  # pickled once, fetched from the memo after
+    _view, md = read_dcp_metadata(str(ckpt), trusted=False)
+    assert md == pickle.loads(data)
+    assert md.state_dict_metadata["b"].properties.strides == (3, 1)
+    # a fetched tuple that holds more than ints is still refused
+    evil = data.replace(b"K\x03K\x01\x86\x94t\x94b", b"K\x03)\x86\x94t\x94b", 1)
+    (ckpt / ".metadata").write_bytes(evil)
+    with pytest.raises(dm.CheckpointReadError):
+        read_metadata(ckpt)

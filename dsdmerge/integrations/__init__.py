@@ -9,6 +9,11 @@ the checkpoint is trusted.
 :func:`resume_optimizer`, :func:`resume_model`, and :func:`load_dcp` for DCP
 directories (policy-checked, scoped partial loads).
 
+:mod:`dsdmerge.integrations.hooks` makes a trainer's own save and load calls go
+through dsdmerge: :func:`record_param_names` (every later ``optimizer.state_dict()``
+carries the parameters' names), :func:`install_load_hook` and
+:func:`install_model_load_hook` (``load_state_dict`` merges first).
+
 Names are imported from their modules on first use (PEP 562), so that the command line
 can read a safetensors header or a Hugging Face directory without importing torch.
 """
@@ -26,6 +31,15 @@ if TYPE_CHECKING:
         detect_format,
         load_checkpoint,
         read_metadata,
+    )
+
+    # Trainers' own save and load calls
+    from dsdmerge.integrations.hooks import (
+        LoadHook,
+        ModelLoadHook,
+        install_load_hook,
+        install_model_load_hook,
+        record_param_names,
     )
 
     # Resuming
@@ -52,11 +66,18 @@ __all__ = [
     "load_dcp",
     "resume_model",
     "resume_optimizer",
+    # Trainers' own save and load calls
+    "LoadHook",
+    "ModelLoadHook",
+    "install_load_hook",
+    "install_model_load_hook",
+    "record_param_names",
 ]
 
 _HOME = {
     **dict.fromkeys(__all__[:5], "checkpoints"),
-    **dict.fromkeys(__all__[5:], "resume"),
+    **dict.fromkeys(__all__[5:11], "resume"),
+    **dict.fromkeys(__all__[11:], "hooks"),
 }
 
 

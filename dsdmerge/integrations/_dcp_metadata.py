@@ -18,14 +18,16 @@ compute much more than its own size.
    buffers, ``INST``/``OBJ``/``NEWOBJ_EX`` and the text opcodes of protocol 0 but
    ``GLOBAL``; ints longer than 9 bytes; a MEMOIZE anywhere but after an object
    the pickler memoizes; tuple opcodes directly on a tuple (``((((),),),)``) but
-   for ``(dims,)``; strings longer than the rest of the file.
+   for ``(dims,)`` and for the strides that end a ``TensorProperties`` state
+   (torch >= 2.15); strings longer than the rest of the file.
 2. **No container is referenced twice** (:func:`_rewrite`). The pickler memoizes
    every container but DCP metadata never fetches one back (it shares strings,
    classes and dtypes). Each ``<container opcode> MEMOIZE`` is rewritten to
-   ``<container opcode> EMPTY_TUPLE MEMOIZE POP``, so the memo holds ``()`` where it
-   held the container: a DCP-written file unpickles to the same objects, and a
-   crafted one that fetches a container gets ``()``, which validation refuses where
-   it lands. So no tuple is shared (a "billion laughs" of tuples 40 deep takes 2^40
+   ``<container opcode> <poison> MEMOIZE POP``, so the memo holds ``False`` (for a
+   tuple) or ``()`` (for a list or dict) where it held the container: a DCP-written
+   file unpickles to the same objects, and a crafted one that fetches a container
+   gets a value that validation refuses where it lands. So no tuple is shared (a
+   "billion laughs" of tuples 40 deep takes 2^40
    steps to hash as a dict key, in any unpickler) and no dict is copied into a
    million records by ``BUILD``. The same ``re.split`` drops FRAMEs (read-ahead
    hints) and re-checks the grammar.
@@ -60,6 +62,7 @@ objects are most of ``pickle.load``'s time at DeepSeek-V3 scale.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import itertools
 import operator
@@ -67,11 +70,17 @@ import pathlib
 import pickle
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
 
 from dsdmerge._gc import gc_paused
+from dsdmerge._torch_api import (
+    TENSOR_PROPERTIES_BASE,
+    storage_info_class,
+    tensor_properties_fields,
+)
 from dsdmerge.errors import CheckpointReadError, UnsafeCheckpointError
 
 __all__ = ["MAX_DIMS", "MAX_TUPLE", "load_metadata"]
@@ -92,6 +101,10 @@ class _Bad(Exception):
 
 class _NotMetadata(_Bad):
     """A pickle of something else than ``Metadata`` (its type name)."""
+
+
+class _Newer(_Bad):
+    """Metadata in a format only a newer torch reads (torch's own reader fails on it too)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -137,12 +150,14 @@ _ARG_TOKENS = (
 # record, or right after the opcode that made a container (which the pickler always
 # memoizes); every non-empty tuple is memoized; tuple opcodes do not follow one another
 # (``((((),),),)`` nests tuples) except in a reduce call with one tuple argument,
-# ``(dims,)`` for torch.Size; a FRAME (a length hint) does not stand before a MEMOIZE.
+# ``(dims,)`` for torch.Size, and a tuple that ends a BUILD state (``(..., strides)``,
+# TensorProperties since torch 2.15); a FRAME (a length hint) does not stand before a MEMOIZE.
 _TOKEN = (
     rb"(?:[\(Nb\x81\x88\x89\x93R\.\]\}]"
     rb"|[\)uesa](?!\x94)"
     rb"|\x94(?!\x94)"
     rb"|[" + _TUPLE_OPS + rb"]\x94\x85\x94R"
+    rb"|[" + _TUPLE_OPS + rb"]\x94(?=t\x94b)"
     rb"|[" + _TUPLE_OPS + rb"]\x94(?![" + _TUPLE_OPS + rb"])"
     rb"|\x95.{8}(?!\x94)"
     rb"|" + _ARG_TOKENS + rb")"
@@ -223,14 +238,16 @@ _EVENTS = re.compile(
     _RUN
     + rb"(?:(["
     + _TUPLE_OPS
-    + rb"])\x94(?=\x85\x94R|(?!["
+    + rb"])\x94(?=\x85\x94R|t\x94b|(?!["
     + _TUPLE_OPS
     + rb"]))"
     + rb"|([\]\}])\x94(?!\x94)|(\x95).{8}(?!\x94)|\Z|(.))",  # (.): a token it refuses
     re.DOTALL,
 )
+# a tuple's slot holds False (no value a tuple may be: a fetched tuple is refused wherever it
+# lands, even where an empty tuple would pass); a list's or dict's holds ()
 _POISON_TUPLE: Final[dict[Any, bytes]] = {
-    bytes([c]): bytes([c]) + b")\x940" for c in b"\x85\x86\x87t"
+    bytes([c]): bytes([c]) + b"\x89\x940" for c in b"\x85\x86\x87t"
 }
 # after a list or dict; None: a FRAME (dropped) or the end
 _POISON_OTHER: Final[dict[Any, bytes]] = {b"]": b"])\x940", b"}": b"})\x940", None: b""}
@@ -257,11 +274,15 @@ def _frames(data: bytes) -> int:
     return count
 
 
-def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
+def _rewrite(pieces: list[bytes], *, frames: int = -2, careful: bool = False) -> tuple[bytes, int]:
     """The stream with container memo slots poisoned and FRAMEs dropped; its tuple count.
 
     Also the grammar check of layer 1 for each piece: a token the grammar refuses
     leaves bytes between two matches, and :class:`_Misaligned` is raised.
+    ``careful``: a ``TensorProperties`` strides tuple made of ints only keeps its memo
+    slot (a writer may share one tuple between tensors; a flat tuple of ints cannot
+    nest, so sharing it costs nothing). Tried only when the fast pass found a fetched
+    strides tuple, since it tokenizes the run before each strides tuple in Python.
     """
     out: list[bytes] = [pieces[0]]
     tuples = frame_events = 0
@@ -284,6 +305,8 @@ def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
         joined[1::2] = map(
             _POISON_TUPLE.get, tuple_ops, map(_POISON_OTHER.__getitem__, parts[3::6])
         )
+        if careful:
+            _keep_int_strides(joined, parts[1::6], tuple_ops)
         del parts
         out.append(b"".join(joined))
     if frames >= 0 and frame_events != frames:
@@ -291,6 +314,38 @@ def _rewrite(pieces: list[bytes], *, frames: int = -2) -> tuple[bytes, int]:
         # reader fails on such a stream, so this one refuses it too
         raise _Bad("its frames do not follow its opcodes")
     return b"".join(out), tuples
+
+
+_INT_TOKEN: Final = re.compile(rb"K.|M..|J.{4}|\x8a.*", re.DOTALL)
+_STRIDES_ARITY: Final = {b"\x85": 1, b"\x86": 2, b"\x87": 3}
+
+
+def _keep_int_strides(joined: list[bytes], runs: list[bytes], ops: list[Any]) -> None:
+    """Unpoison each tuple that ends a BUILD state (``... strides) BUILD``) and holds ints only.
+
+    A strides tuple is the tuple event right before the state tuple's own ``t`` event
+    (whose run is empty) and the ``b`` that starts the run after it. Its elements are
+    the last tokens of its run (the run starts at an event, so it is token-aligned):
+    ``n`` of them for TUPLE1-3, all after the run's last MARK for TUPLE.
+    """
+    for i in range(len(ops) - 2):
+        op = ops[i]
+        if op is None or ops[i + 1] != b"t" or runs[i + 1] or not runs[i + 2].startswith(b"b"):
+            continue
+        tokens = _TOKEN_RE.findall(runs[i])
+        if op == b"t":
+            if b"(" not in tokens:
+                continue
+            items = tokens[len(tokens) - tokens[::-1].index(b"(") :]
+        else:
+            n = _STRIDES_ARITY[op]
+            items = tokens[-n:] if len(tokens) >= n else [b""]
+        if all(map(_INT_TOKEN.fullmatch, items)):
+            joined[2 * i + 1] = op + b"\x94"
+
+
+class _SharedStrides(Exception):
+    """A ``TensorProperties`` strides tuple was fetched from the memo (read carefully)."""
 
 
 class _Misaligned(Exception):
@@ -301,7 +356,7 @@ _STACK_PER_LEVEL: Final = 128  # bytes of C stack one level of hashing a nested 
 _MAX_STACK: Final = 1 << 31
 
 
-def _load_deep(stream: bytes, tuples: int) -> Any:
+def _load_deep(stream: bytes, tuples: int, trusted: Mapping[str, type[_Trusted]]) -> Any:
     """Unpickle in a thread whose C stack fits hashing tuples nested ``tuples`` deep.
 
     Layer 1 stops most nesting, not all of it (``((t, 1), 2)`` built element by element
@@ -318,7 +373,8 @@ def _load_deep(stream: bytes, tuples: int) -> Any:
     def run() -> None:
         try:
             # buffered: without FRAMEs the unpickler would call read() once per opcode
-            result.append(_Unpickler(io.BufferedReader(io.BytesIO(stream), 1 << 16)).load())
+            reader = io.BufferedReader(io.BytesIO(stream), 1 << 16)
+            result.append(_Unpickler(reader, trusted).load())
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
             result.append(err)
 
@@ -509,9 +565,29 @@ def _shown(text: str) -> str:
     return repr(text[:120]) + ("..." if len(text) > 120 else "")
 
 
+class _Trusted(_Record):
+    """Base of the stand-ins for classes the caller trusted by name (one subclass each)."""
+
+    real: Any = None  # the caller's class (set when the stand-in class is made)
+
+
+def _trusted_stand_ins(trusted: Mapping[str, type]) -> dict[str, type[_Trusted]]:
+    """A fresh stand-in class per trusted ``module.Name`` class (inert, like DCP's)."""
+    made: dict[str, type[_Trusted]] = {}
+    for name, real in trusted.items():
+        made[name] = _Sealed(f"_{real.__name__}", (_Trusted,), {"real": real})  # type: ignore[assignment]
+    return made
+
+
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, trusted: Mapping[str, type[_Trusted]]) -> None:
+        super().__init__(file)
+        self._trusted = trusted
+
     def find_class(self, module: str, name: str) -> Any:
         found = _stand_in(module, name)
+        if found is None:
+            found = self._trusted.get(f"{module}.{name}")
         if found is None:
             raise _Refused(_shown(f"{module}.{name}"))
         return found
@@ -585,14 +661,66 @@ _MI_OPT: Final = frozenset({"offset", "index"})
 _SI_REQ: Final = frozenset({"relative_path", "offset", "length"})
 _SI_OPT: Final = frozenset({"transform_descriptors"})
 _SM_OPT: Final = frozenset({"checkpoint_id", "save_id", "load_id", "modules"})
-_TP_FIELDS: Final = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
 _TP_TYPES: Final = (torch.dtype, torch.layout, bool, torch.memory_format, bool)
 
 
-def _convert(root: Any, *, budget: int) -> Any:
+def _properties(states: list[Any]) -> tuple[tuple[str, ...], list[Any]]:
+    """Check ``TensorProperties`` states; return the installed torch's fields and states.
+
+    The states come back as the installed torch's ``__setstate__`` would complete them.
+
+    Every torch pickles ``(dtype, layout, requires_grad, memory format, pin_memory)``;
+    torch >= 2.15 adds ``strides`` (``None`` or a tuple of ints) and reads a 5-field state
+    with ``strides=None``. A torch without ``strides`` fails on a 6-field state (so does
+    this reader, saying why).
+    """
+    fields = tensor_properties_fields()
+    _all_of(states, frozenset({tuple}), "tensor properties")
+    lengths = set(map(len, states))
+    if lengths - {5, 6}:
+        raise _Bad("tensor properties are not a 5- or 6-tuple")
+    for column, kind, name in zip(
+        zip(*states, strict=False), _TP_TYPES, TENSOR_PROPERTIES_BASE, strict=False
+    ):
+        _all_of(column, frozenset({kind}), f"tensor properties' {name}")
+    if fields == TENSOR_PROPERTIES_BASE:
+        if 6 in lengths:
+            raise _Newer(
+                f"tensor properties with strides, which torch >= 2.15 writes and this torch "
+                f"({torch.__version__}) cannot read (its own DCP reader fails on them too); "
+                "read it with torch >= 2.15"
+            )
+        return fields, states
+    if fields != (*TENSOR_PROPERTIES_BASE, "strides"):
+        raise _Newer(
+            f"this torch's ({torch.__version__}) DCP TensorProperties has the fields "
+            f"{list(fields)}, which this version of dsdmerge does not know; upgrade dsdmerge"
+        )
+    strides = list(map(operator.itemgetter(5), filter(_six, states)))
+    if False in strides:  # a poisoned slot: a strides tuple the writer shared
+        raise _SharedStrides
+    _all_of(strides, frozenset({tuple, type(None)}), "tensor properties' strides")
+    given = list(filter(None, strides))
+    if max(map(len, given), default=0) > MAX_DIMS:
+        raise _Bad(f"tensor properties' strides: more than {MAX_DIMS} dimensions")
+    numbers = list(itertools.chain.from_iterable(given))
+    _all_of(numbers, frozenset({int}), "tensor properties' strides")
+    if min(numbers, default=0) < 0:
+        raise _Bad("tensor properties' strides: a negative stride")
+    if 5 in lengths:  # what __setstate__ does with a state written by torch <= 2.14
+        states = [t if len(t) == 6 else (*t, None) for t in states]
+    return fields, states
+
+
+def _six(state: tuple[Any, ...]) -> bool:
+    return len(state) == 6
+
+
+def _convert(root: Any, *, budget: int, trusted: frozenset[type[_Trusted]] = frozenset()) -> Any:
     """Validate the stand-in tree and turn it into DCP's real classes (layer 4)."""
     from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as RealStorageInfo
+
+    RealStorageInfo = storage_info_class()
 
     if type(root) is not _Metadata:
         raise _NotMetadata(type(root).__name__.lstrip("_"))
@@ -618,11 +746,7 @@ def _convert(root: Any, *, budget: int) -> Any:
             _records(props, _TensorProperties, _TP_F, "tensor properties"),
         )
     )
-    _all_of(states, frozenset({tuple}), "tensor properties")
-    if set(map(len, states)) - {5}:
-        raise _Bad("tensor properties are not a 5-tuple")
-    for column, kind, name in zip(zip(*states, strict=False), _TP_TYPES, _TP_FIELDS, strict=False):
-        _all_of(column, frozenset({kind}), f"tensor properties' {name}")
+    fields, states = _properties(states)
     _all_of(chunk_lists, frozenset({list}), "a tensor's chunks")
     chunks = list(itertools.chain.from_iterable(chunk_lists))
     cd = _records(chunks, _ChunkStorageMetadata, _CHUNK_F, "a chunk")
@@ -646,8 +770,11 @@ def _convert(root: Any, *, budget: int) -> Any:
         indexes = list(storage)
         infos = list(storage.values())
         _all_of(indexes, frozenset({_MetadataIndex}), "a storage index")
-        _all_of(infos, frozenset({_StorageInfo}), "a storage entry")
+        _all_of(infos, frozenset({_StorageInfo}) | trusted, "a storage entry")
         idx = list(map(_vars, indexes))
+        custom = [v for v in infos if type(v) is not _StorageInfo] if trusted else []
+        if custom:
+            _check_trusted(custom)
         if not all(map(operator.le, map(dict.keys, idx), itertools.repeat(_MI_REQ | _MI_OPT))):
             raise _Bad("a storage index with other fields")
         if not all(map(operator.contains, map(dict.keys, idx), itertools.repeat("fqn"))):
@@ -658,7 +785,7 @@ def _convert(root: Any, *, budget: int) -> Any:
         _sizes(list(filter(None, offsets_)), "a storage offset")
         hints = map(dict.get, idx, itertools.repeat("index"))
         _all_of(hints, frozenset({int, type(None)}), "a storage index hint")
-        info = list(map(_vars, infos))
+        info = list(map(_vars, [v for v in infos if type(v) is _StorageInfo] if custom else infos))
         if not all(map(operator.le, map(dict.keys, info), itertools.repeat(_SI_REQ | _SI_OPT))):
             raise _Bad("a storage entry with other fields")
         if not all(map(operator.le, itertools.repeat(_SI_REQ), map(dict.keys, info))):
@@ -671,9 +798,9 @@ def _convert(root: Any, *, budget: int) -> Any:
         _all_of(numbers, frozenset({int}), "a storage offset or length")
         if min(numbers, default=0) < 0:
             fqn = next(
-                i["fqn"]
-                for i, d in zip(idx, info, strict=True)
-                if min(d["offset"], d["length"]) < 0
+                i.__dict__["fqn"]
+                for i, d in storage.items()
+                if type(d) is _StorageInfo and min(d.__dict__["offset"], d.__dict__["length"]) < 0
             )
             raise _Bad(f"the storage entry of {fqn!r} has a negative offset or length")
         descriptors = list(
@@ -709,7 +836,7 @@ def _convert(root: Any, *, budget: int) -> Any:
             setattr,
             props,
             itertools.repeat("__dict__"),
-            map(dict, map(zip, itertools.repeat(_TP_FIELDS), states)),
+            map(dict, map(zip, itertools.repeat(fields), states)),
         ),
         0,
     )
@@ -719,7 +846,18 @@ def _convert(root: Any, *, budget: int) -> Any:
     _become(plain, md.BytesStorageMetadata)
     if storage is not None:
         _become(indexes, md.MetadataIndex)
-        _become(infos, RealStorageInfo)
+        if custom:
+            dcp_infos = [v for v in infos if type(v) is _StorageInfo]
+            for cls in {type(v) for v in custom}:
+                try:
+                    _become([v for v in custom if type(v) is cls], cls.real)
+                except TypeError as err:
+                    raise _Bad(
+                        f"{_name(cls.real)} cannot be built without running its code: {err}"
+                    ) from None
+        else:
+            dcp_infos = infos
+        _become(dcp_infos, RealStorageInfo)
         top["storage_data"] = dict(zip(indexes, infos, strict=True))  # MetadataIndex's own hash
     if meta is not None:
         _become([meta], md.StorageMeta)
@@ -728,6 +866,33 @@ def _convert(root: Any, *, budget: int) -> Any:
 
 
 _TP_F: Final = frozenset({"_state"})
+_PLAIN: Final[frozenset[type]] = frozenset({str, int, float, bool, type(None)})
+_DCP_FIELD_TYPES: Final = (("relative_path", str), ("offset", int), ("length", int))
+
+
+def _name(cls: type) -> str:
+    return _shown(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _check_trusted(objs: list[Any]) -> None:
+    """Storage entries of classes the caller trusted: plain fields, DCP's typed as DCP's."""
+    for cls in {type(v) for v in objs}:
+        real = cls.real
+        name = _name(real)
+        dicts = [v.__dict__ for v in objs if type(v) is cls]
+        keys = set(itertools.chain.from_iterable(dicts))
+        _all_of(keys, frozenset({str}), f"a field name of {name}")
+        if dataclasses.is_dataclass(real):
+            allowed = {f.name for f in dataclasses.fields(real)}
+            if not keys <= allowed:
+                raise _Bad(f"a {name} with fields {sorted(keys - allowed)[:8]} it does not have")
+        values = itertools.chain.from_iterable(map(dict.values, dicts))
+        _all_of(values, _PLAIN, f"a field of {name}")
+        for field, kind in _DCP_FIELD_TYPES:
+            column = [d[field] for d in dicts if field in d]
+            _all_of(column, frozenset({kind}), f"{name}.{field}")
+            if kind is int and min(column, default=0) < 0:
+                raise _Bad(f"a {name} with a negative {field}")
 
 
 def _check_planner(planner: Any, budget: int) -> None:
@@ -752,12 +917,18 @@ def _check_planner(planner: Any, budget: int) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def load_metadata(data: bytes, *, where: str) -> Any:
+def load_metadata(data: bytes, *, where: str, trusted: Mapping[str, type] | None = None) -> Any:
     """Unpickle a DCP ``.metadata`` file's bytes safely (see the module docstring).
 
     Args:
         data: The file's bytes.
         where: The file's path, for error messages.
+        trusted: ``{"module.Name": class}``: storage-entry classes a storage writer other
+            than DCP's own pickled (OLMo-core's ``_StorageInfo``), admitted where DCP's
+            ``_StorageInfo`` stands and built the same restricted way: a stand-in first,
+            its fields checked to be plain values (strings, numbers, ``None``; the
+            dataclass fields of ``class`` when it is one), and only then made an
+            instance of ``class`` by ``__class__`` assignment (no code of it runs).
 
     Returns:
         A ``torch.distributed.checkpoint.metadata.Metadata``.
@@ -775,19 +946,34 @@ def load_metadata(data: bytes, *, where: str) -> Any:
             stream, tuples = _rewrite([data[:2], data[2:]], frames=frames)
         except _Misaligned:
             stream, tuples = _rewrite(_scan(data), frames=_frames(data))
+        stand_ins = _trusted_stand_ins(trusted or {})
+        classes = frozenset(stand_ins.values())
         with gc_paused():
-            root = _load_deep(stream, tuples)
+            root = _load_deep(stream, tuples, stand_ins)
             del stream
-            return _convert(root, budget=len(data))
+            try:
+                return _convert(root, budget=len(data), trusted=classes)
+            except _SharedStrides:
+                del root
+            stream, tuples = _rewrite(_scan(data), frames=_frames(data), careful=True)
+            root = _load_deep(stream, tuples, stand_ins)
+            del stream
+            try:
+                return _convert(root, budget=len(data), trusted=classes)
+            except _SharedStrides:
+                raise _Bad("a tensor's strides are a fetched tuple that is not only ints") from None
     except _Refused as err:
         raise UnsafeCheckpointError(
             f"{where}: refused to unpickle: it uses {err}, which DCP metadata never holds "
-            "(only DCP metadata classes, torch sizes, dtypes, layouts and paths are allowed), "
+            "(only DCP metadata classes, torch sizes, dtypes, layouts, paths and the storage "
+            "classes named in trusted=[...] are allowed), "
             "so unpickling it could run code or exhaust memory; nothing was run.",
             path=where,
         ) from None
     except _NotMetadata as err:
         raise CheckpointReadError(f"{where}: holds a {err}, not DCP Metadata", path=where) from None
+    except _Newer as err:
+        raise CheckpointReadError(f"{where}: {err}", path=where) from None
     except _Bad as err:
         raise CheckpointReadError(
             f"{where}: not a readable DCP metadata file (corrupt, truncated or crafted?): {err}",

@@ -8,11 +8,14 @@ for importing torch.
 A *Hugging Face model directory* is what ``save_pretrained`` writes: ``config.json`` and
 either one ``model.safetensors`` or shards ``model-0000N-of-0000M.safetensors`` listed by
 ``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {key: shard}}``).
-Headers are read and validated by the ``safetensors`` library (``safe_open``; never a
-tensor byte); the index is checked against them: every shard it names is a regular file
-named inside the directory (no absolute names, no ``..``; symlinks are followed, as the
-Hugging Face hub cache links each file to its blob), and each key is in the shard the
-index says and in no other.
+Which weights are read is what transformers reads (``modeling_utils``: a
+``model.safetensors`` first, else the index); a directory holding both says so in a
+:class:`~dsdmerge.DSDMergeWarning`. Headers are read and validated by the ``safetensors``
+library (``safe_open``; never a tensor byte); the index is checked against them: every
+shard it names is a plain file name of the directory (no sub-directory, no absolute name,
+no ``..``: as ``save_pretrained`` writes them, and as ``dsdmerge merge`` writes them back)
+and a regular file (symlinks are followed, as the Hugging Face hub cache links each file
+to its blob), and each key is in the shard the index says and in no other.
 (torch's ``HuggingFaceStorageReader`` reads every ``*.safetensors`` file of a directory
 whatever the index says, and imports torch, so it is not used here.)
 """
@@ -26,10 +29,11 @@ import os
 import pathlib
 import stat
 import struct
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
-from dsdmerge.errors import CheckpointReadError, DSDMergeError
+from dsdmerge.errors import CheckpointReadError, DSDMergeError, DSDMergeWarning
 
 __all__ = [
     "DTYPES",
@@ -39,6 +43,7 @@ __all__ = [
     "hf_header",
     "header_stats",
     "hf_layout",
+    "plain_name",
     "read_regular",
     "reading",
     "reason",
@@ -200,10 +205,17 @@ def _hf_files(directory: str) -> tuple[str | None, str | None]:
         raise CheckpointReadError(
             f"{directory}: cannot be listed: {reason(err)}", path=directory
         ) from err
+    if HF_SINGLE in names:  # transformers reads it first, even beside an index
+        if HF_INDEX in names:
+            warnings.warn(
+                f"{directory}: holds both {HF_SINGLE} and {HF_INDEX}; reading {HF_SINGLE}, "
+                "as transformers does (the index and its shards are not read)",
+                DSDMergeWarning,
+                stacklevel=3,
+            )
+        return None, HF_SINGLE
     if HF_INDEX in names:
         return HF_INDEX, None
-    if HF_SINGLE in names:
-        return None, HF_SINGLE
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
     weights = [n for n in names if n.endswith(".safetensors")]
     if len(indexes) == 1:
@@ -333,25 +345,20 @@ def hf_layout(path: str | os.PathLike[str], /) -> HFLayout:
 
 
 def _inside(directory: str, name: str, *, where: str, what: str) -> str:
-    """The path of ``name``, checked to name a regular file inside ``directory``.
+    """The path of ``name``, checked to name a regular file of ``directory``.
 
-    The name must stay inside the directory as written (not absolute, no ``..`` out
-    of it); symlinks in the directory are followed (the Hugging Face hub cache is made
+    The name must be a plain file name of the directory (no sub-directory, not
+    absolute, no ``..``), as ``save_pretrained`` writes shards and as ``dsdmerge
+    merge`` writes them back; symlinks are followed (the Hugging Face hub cache is made
     of them, pointing into its ``blobs``), to regular files only.
     """
-    norm = os.path.normpath(name) if name else ""
-    if (
-        not name
-        or "\0" in name
-        or os.path.isabs(name)
-        or norm == "."
-        or norm.split(os.sep)[0] == ".."
-    ):
+    if not plain_name(name):
         raise CheckpointReadError(
-            f"{where}: {what} {name!r} is not a file name inside the directory; corrupt or crafted",
+            f"{where}: {what} {name!r} is not a file name inside the directory (shards are "
+            "plain file names of it, as save_pretrained writes them); corrupt or crafted",
             path=where,
         )
-    file = os.path.join(directory, norm)
+    file = os.path.join(directory, name)
     try:
         mode = os.stat(file).st_mode
     except OSError as err:
@@ -361,6 +368,24 @@ def _inside(directory: str, name: str, *, where: str, what: str) -> str:
     if not stat.S_ISREG(mode):
         raise CheckpointReadError(f"{where}: {what} {name!r} is not a regular file", path=where)
     return file
+
+
+def plain_name(name: str, /) -> bool:
+    """Whether ``name`` is a plain file name: no directory part, not ``.``/``..``, no NUL.
+
+    Example:
+        >>> from dsdmerge.integrations._files import plain_name
+        >>> plain_name("model-00001-of-00002.safetensors"), plain_name("a/m.safetensors")
+        (True, False)
+    """
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "\0" not in name
+        and "/" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+    )
 
 
 def read_regular(file: str, *, where: str, what: str) -> bytes:

@@ -175,8 +175,8 @@ def param_fqns(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, 
     saved (DDP ``module.``, ``torch.compile``'s ``_orig_mod.``, activation
     checkpointing and FSDP wrappers).
     """
-    # DSD's own name resolution (private, but present in every torch dsdmerge supports)
-    from torch.distributed.checkpoint.state_dict import _get_fqns
+    # DSD's own name resolution (private: see dsdmerge._torch_api)
+    from dsdmerge._torch_api import get_fqns
 
     parts = model_parts(model)
     out: dict[int, str] = {}
@@ -186,7 +186,7 @@ def param_fqns(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, 
             if plain and _CHECKPOINT_PREFIX not in name:  # no wrapper: the name is the fqn
                 out.setdefault(id(p), name)
                 continue
-            fqns = _get_fqns(part, name)
+            fqns = get_fqns(part, name)
             if len(fqns) != 1:
                 raise FlatParameters(
                     f"parameter {name!r} of the model stands for {len(fqns)} parameters (FSDP1's "
@@ -218,18 +218,16 @@ def model_parts(model: object) -> list[torch.nn.Module]:
 
 def _renames(module: object) -> bool:
     """Whether ``module`` makes DSD's fqns differ from ``named_parameters()`` names."""
-    import torch
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    return isinstance(
-        module,
-        (
-            DistributedDataParallel,
-            FullyShardedDataParallel,
-            torch._dynamo.eval_frame.OptimizedModule,
-        ),
-    ) or hasattr(module, "_fqn_modifiers")
+    from dsdmerge._torch_api import optimized_module_class
+
+    compiled = optimized_module_class()  # torch.compile's wrapper (private: torch._dynamo)
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel)
+    return isinstance(module, wrappers + ((compiled,) if compiled else ())) or hasattr(
+        module, "_fqn_modifiers"
+    )
 
 
 def uses_fsdp1(model: object) -> bool:

@@ -39,22 +39,24 @@ before it runs, naming what it needed; anything malformed raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import io
 import itertools
+import math
 import operator
 import os
 import pickle
 import re
 import stat
-import threading
 import warnings
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from typing import Any, ClassVar, Final
 
 import torch
 
+from dsdmerge import _torch_api
 from dsdmerge._gc import gc_paused
 from dsdmerge._paths import part_of, select_flat, top_level
 from dsdmerge.diff import TensorMeta, dtype_name
@@ -193,21 +195,23 @@ class CheckpointView(Mapping[str, Any]):
         self._path = path
         self._format: CheckpointFormat = format
         self._layout = layout
-        count = 0
-        nbytes = 0
-        dtypes: dict[str, int] = {}
         values = entries.values()
         metas = [v for v in values if type(v) is TensorMeta]  # the common case, in C
         for value in values:
             if type(value) in (list, tuple):
                 metas.extend(_metas(value))
-        for meta in metas:
-            count += 1
-            nbytes += _nbytes(meta)
-            name = dtype_name(meta.dtype)
-            dtypes[name] = dtypes.get(name, 0) + 1
-        self._tensor_count = count
-        self._nbytes = nbytes
+        # column by column (a Python statement per tensor costs a tenth of a second at
+        # DeepSeek-V3 scale): element counts, then each distinct dtype's item size once
+        dtype_of = list(map(operator.attrgetter("dtype"), metas))
+        numels = map(math.prod, map(operator.attrgetter("shape"), metas))
+        by_dtype = collections.Counter(dtype_of)
+        sizes = {d: _itemsize(d) for d in by_dtype}
+        self._tensor_count = len(metas)
+        self._nbytes: int = sum(map(operator.mul, numels, map(sizes.__getitem__, dtype_of)))
+        dtypes: dict[str, int] = {}
+        for dtype, n in by_dtype.items():
+            name = dtype_name(dtype)
+            dtypes[name] = dtypes.get(name, 0) + n
         self._dtypes = dict(sorted(dtypes.items()))
 
     @property
@@ -292,6 +296,11 @@ def _metas(value: Any) -> Iterator[TensorMeta]:
             stack.extend(reversed(item))
 
 
+def _itemsize(dtype: Any) -> int:
+    itemsize = getattr(dtype, "itemsize", None)
+    return int(itemsize) if isinstance(itemsize, int) else 0
+
+
 def _nbytes(meta: TensorMeta) -> int:
     numel = 1
     for n in meta.shape:
@@ -305,7 +314,12 @@ def _nbytes(meta: TensorMeta) -> int:
 
 
 def read_metadata(
-    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+    path: str | os.PathLike[str],
+    /,
+    *,
+    trusted: Trust = False,
+    key: str | None = None,
+    storage_reader: Any = None,
 ) -> CheckpointView:
     """Read a checkpoint's keys, shapes and dtypes without reading tensor data.
 
@@ -335,12 +349,18 @@ def read_metadata(
         path: The checkpoint file or directory.
         trusted: ``False`` (default): nothing outside the allow-lists loads.
             A list of ``"module.Name"`` globals: those too, in torch files and DCP
-            bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
-            only DCP's own classes). ``True``: unpickle without restriction (runs any
-            code the pickle holds); only for checkpoints whose origin you trust.
+            bytes entries (torch's ``safe_globals``), and the classes among them as
+            storage entries of a DCP ``.metadata`` (another writer's ``_StorageInfo``,
+            built without running its code). ``True``: unpickle without restriction
+            (runs any code the pickle holds); only for checkpoints whose origin you trust.
         key: A dot-separated path to one part of a whole checkpoint (``"model"``,
             ``"optim"``, ``"optim.state"``): the view is of that part only, keyed
             as :func:`dsdmerge.flatten` of the part would be.
+        storage_reader: A DCP ``StorageReader`` for a directory written by another
+            storage writer (OLMo-core's ``RemoteFileSystemReader``): it reads the
+            ``param_groups`` entries a nested optimizer needs; ``.metadata`` is still
+            read by the safe reader when ``path`` holds one (with ``trusted=True`` and
+            no local ``.metadata``, by the reader's own ``read_metadata()``).
 
     Returns:
         A :class:`CheckpointView`.
@@ -364,9 +384,9 @@ def read_metadata(
     trust = _check_trust(trusted)
     where = str(path)
     with _reading(where):
-        fmt = detect_format(path)
+        fmt = "dcp" if storage_reader is not None else detect_format(path)
         if fmt == "dcp":
-            view, metadata = read_dcp_metadata(where, trusted=trust)
+            view, metadata = read_dcp_metadata(where, trusted=trust, storage_reader=storage_reader)
             if key is None:
                 return view
             return CheckpointView(
@@ -389,27 +409,39 @@ def read_metadata(
 
 
 def _dcp_part_layout(metadata: Any, key: str) -> Layout:
-    """Whether the part of a DCP checkpoint at ``key`` was saved nested."""
+    """Whether the part of a DCP checkpoint at ``key`` was saved nested.
+
+    A path part may itself hold dots, so the prefix of a path that spells ``key`` is
+    the one whose joined length is ``len(key)``: found by adding up part lengths (one
+    join per path at most, so linear in the paths' total length).
+    """
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    want = len(key)
     for path in paths.values():
-        if isinstance(path, (list, tuple)):
-            text = [str(p) for p in path]
-            for cut in range(1, len(text)):  # a path part may itself hold dots
-                if ".".join(text[:cut]) == key and len(text) - cut > 1:
+        if not isinstance(path, (list, tuple)) or len(path) < 3:
+            continue
+        total = -1
+        for cut, part in enumerate(path, 1):
+            total += len(part) + 1 if type(part) is str else len(str(part)) + 1
+            if total >= want:
+                if total == want and len(path) - cut > 1 and ".".join(map(str, path[:cut])) == key:
                     return Layout.NESTED
+                break
     return Layout.FLAT
 
 
-def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, Any]:
+def read_dcp_metadata(
+    where: str, *, trusted: Trust, storage_reader: Any = None
+) -> tuple[CheckpointView, Any]:
     """The view of a DCP directory and its (safely unpickled) ``Metadata`` object."""
     trusted = _check_trust(trusted)
-    if detect_format(where) != "dcp":
+    if storage_reader is None and detect_format(where) != "dcp":
         raise CheckpointReadError(f"{where}: not a DCP checkpoint directory", path=where)
     # the collector is paused for the view too: with millions of records just made, each
     # of its passes would walk them all (reads in several threads share one pause)
     with _reading(where), gc_paused():
-        metadata = _read_dcp_metadata(where, trusted=trusted)
-        entries = _dcp_entries(where, metadata, trusted=trusted)
+        metadata = _read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
+        entries = _dcp_entries(where, metadata, trusted=trusted, storage_reader=storage_reader)
         # DCP records each saved value's path in the state dict: nested when one has two parts
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         nested = any(isinstance(p, (list, tuple)) and len(p) > 1 for p in paths.values())
@@ -418,7 +450,12 @@ def read_dcp_metadata(where: str, *, trusted: Trust) -> tuple[CheckpointView, An
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], /, *, trusted: Trust = False, key: str | None = None
+    path: str | os.PathLike[str],
+    /,
+    *,
+    trusted: Trust = False,
+    key: str | None = None,
+    storage_reader: Any = None,
 ) -> dict[str, Any]:
     """Load a whole checkpoint, tensors included, without running pickled code.
 
@@ -441,12 +478,19 @@ def load_checkpoint(
         path: The checkpoint file or directory.
         trusted: ``False`` (default): nothing outside the allow-lists loads.
             A list of ``"module.Name"`` globals: those too, in torch files and DCP
-            bytes entries (torch's ``safe_globals``; a DCP ``.metadata`` still admits
-            only DCP's own classes). ``True``: unpickle without restriction (runs any
-            code the pickle holds); only for checkpoints whose origin you trust.
+            bytes entries (torch's ``safe_globals``), and the classes among them as
+            storage entries of a DCP ``.metadata`` (another writer's ``_StorageInfo``,
+            built without running its code). ``True``: unpickle without restriction
+            (runs any code the pickle holds); only for checkpoints whose origin you trust.
         key: A dot-separated path to one part of a whole checkpoint
             (``"model"``, ``"optim"``): only that part is returned (the whole file
             is still read).
+        storage_reader: A DCP ``StorageReader`` that reads the data of a directory
+            written by another storage writer (OLMo-core's ``RemoteFileSystemReader``,
+            whose data files hold ``torch.save`` archives): every entry is still
+            checked first (inside ``path``, within its file, none overlapping), and
+            ``.metadata`` is read as without it. What the reader does with the data is
+            its own (OLMo-core's unpickles tensors with ``weights_only=False``).
 
     Returns:
         The state dict, nested as saved.
@@ -470,9 +514,9 @@ def load_checkpoint(
     trust = _check_trust(trusted)
     where = str(path)
     with _reading(where):
-        fmt = detect_format(path)
+        fmt = "dcp" if storage_reader is not None else detect_format(path)
         if fmt == "dcp":
-            loaded = _dcp_load(where, trusted=trust)
+            loaded = _dcp_load(where, trusted=trust, storage_reader=storage_reader)
         elif fmt == "torch":
             loaded = _torch_load(where, trusted=trust, map_location="cpu")
             if not isinstance(loaded, dict):
@@ -513,8 +557,6 @@ Trust = bool | Sequence[str]
 """``trusted=``: ``False`` (the default: nothing outside the allow-lists), ``True``
 (unpickle without restriction) or a list of ``"module.Name"`` globals to allow on top
 of torch's ``weights_only`` allow-list (``torch.serialization.safe_globals``)."""
-
-_SAFE_GLOBALS_LOCK = threading.Lock()
 
 
 def _check_trust(trusted: Any) -> Trust:
@@ -560,13 +602,14 @@ def _allowing(trusted: Trust) -> Iterator[None]:
     """``torch.serialization.safe_globals`` for a list of globals; nothing otherwise.
 
     torch keeps that allow-list in a module global, so loads with extra globals are
-    serialized here (other threads' ``torch.load`` calls would see them meanwhile).
+    serialized (:func:`dsdmerge._torch_api.safe_globals`: other threads' ``torch.load``
+    calls would see them meanwhile).
     """
     if isinstance(trusted, bool) or not trusted:
         yield
         return
     objects = [_resolve_global(name) for name in trusted]
-    with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(objects):
+    with _torch_api.safe_globals(objects):
         yield
 
 
@@ -586,7 +629,10 @@ class _MmapUnsupported(Exception):
 
 def _torch_load_file(where: str, *, trusted: Trust, map_location: str, mmap: bool) -> Any:
     try:
-        with _allowing(trusted):
+        with _allowing(trusted), warnings.catch_warnings():
+            # torch's note that a pickle protocol other than 2 "might not be supported": the
+            # file is then either read faithfully or refused with a reason, so it says nothing
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(
                 where, weights_only=trusted is not True, mmap=mmap, map_location=map_location
             )
@@ -641,14 +687,13 @@ def _unsafe_globals(file: str, trusted: Trust) -> list[str]:
     try:
         with _allowing(trusted):
             with open(file, "rb") as f:
-                if f.read(4) == _ZIP_MAGIC:
-                    return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
-            from torch import _weights_only_unpickler as wou
-
-            allowed = set(wou._get_allowed_globals()) | set(
-                wou._get_user_allowed_globals()  # type: ignore[no-untyped-call]
-            )
-            return sorted(g for g in _pickle_globals(file) if g not in allowed)
+                zipped = f.read(4) == _ZIP_MAGIC
+            if zipped:
+                return _torch_api.unsafe_globals_in_checkpoint(file)
+            with open(file, "rb") as f:
+                data = f.read(_MAX_GLOBAL_SCAN)
+            allowed = _torch_api.weights_only_allowed_globals()
+            return sorted(g for g in _pickle_globals(data) if g not in allowed)
     except Exception:  # noqa: BLE001 - a listing is a courtesy; the refusal stands
         return []
 
@@ -656,12 +701,10 @@ def _unsafe_globals(file: str, trusted: Trust) -> list[str]:
 _MAX_GLOBAL_SCAN: Final = 1 << 26
 
 
-def _pickle_globals(file: str) -> set[str]:
-    """The ``module.name`` globals of the (first) pickle in ``file``, found statically."""
+def _pickle_globals(data: bytes) -> set[str]:
+    """The ``module.name`` globals of the (first) pickle in ``data``, found statically."""
     import pickletools
 
-    with open(file, "rb") as f:
-        data = f.read(_MAX_GLOBAL_SCAN)
     found: set[str] = set()
     strings: list[Any] = []
     memo: dict[int, Any] = {}
@@ -777,18 +820,50 @@ def hf_shards(
 # DCP
 
 
-def _read_dcp_metadata(where: str, *, trusted: Trust) -> Any:
+def _read_dcp_metadata(where: str, *, trusted: Trust, storage_reader: Any = None) -> Any:
+    """``.metadata``, through the safe reader unless ``trusted is True``.
+
+    With a ``storage_reader`` and no local ``.metadata`` (a remote checkpoint), only
+    ``trusted=True`` reads it: then the reader's own ``read_metadata()`` does.
+    """
     from torch.distributed.checkpoint.metadata import Metadata
 
     from dsdmerge.integrations import _dcp_metadata
 
     file = os.path.join(where, _METADATA_FILE)
-    data = read_regular(file, where=where, what=_METADATA_FILE)
-    if trusted is not True:  # a list of globals widens torch.load, never this reader
+    if storage_reader is not None and not os.path.isfile(file):
+        if trusted is not True:
+            raise CheckpointReadError(
+                f"{where}: no local {_METADATA_FILE} to read safely; pass trusted=True to let "
+                f"the storage reader ({type(storage_reader).__name__}) read it its own way (which "
+                "may unpickle it without restriction), only if you trust this checkpoint",
+                path=where,
+            )
         try:
-            return _dcp_metadata.load_metadata(data, where=file)
+            metadata = storage_reader.read_metadata()
+        except Exception as err:  # any reader's failure, reported with the path
+            raise CheckpointReadError(
+                f"{where}: {type(storage_reader).__name__}.read_metadata() failed: {_reason(err)}",
+                path=where,
+            ) from err
+        if not isinstance(metadata, Metadata):
+            raise CheckpointReadError(
+                f"{where}: the storage reader returned a {type(metadata).__name__}, not DCP "
+                "Metadata",
+                path=where,
+            )
+        return metadata
+    data = read_regular(file, where=where, what=_METADATA_FILE)
+    if trusted is not True:
+        classes = {}
+        for name in trusted or ():
+            obj = _resolve_global(name)
+            if isinstance(obj, type):  # a class may stand for a storage entry; see load_metadata
+                classes[name] = obj
+        try:
+            return _dcp_metadata.load_metadata(data, where=file, trusted=classes)
         except UnsafeCheckpointError as err:
-            raise UnsafeCheckpointError(f"{err} {_TRUST_HINT}.", path=where) from None
+            raise UnsafeCheckpointError(f"{err} {_DCP_TRUST_HINT}.", path=where) from None
         except CheckpointReadError as err:
             raise CheckpointReadError(str(err), path=where) from None
     try:
@@ -808,6 +883,12 @@ def _read_dcp_metadata(where: str, *, trusted: Trust) -> Any:
     return metadata
 
 
+_DCP_TRUST_HINT: Final = (
+    "Allow a storage class you trust by name with trusted=['module.Name'] (--safe-globals), "
+    "or pass trusted=True only if you trust where this checkpoint came from (it runs the pickle)"
+)
+
+
 def _dcp_paths(metadata: Any) -> dict[str, tuple[Any, ...]]:
     """Each DCP key's path in the nested state dict (from ``planner_data`` when recorded).
 
@@ -817,14 +898,16 @@ def _dcp_paths(metadata: Any) -> dict[str, tuple[Any, ...]]:
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     keys = list(metadata.state_dict_metadata)
     raw: list[Any] = list(map(planner_data.get, keys))
-    if keys and set(map(type, raw)) <= {tuple, list} and min(map(len, raw)) > 0:
+    kinds = set(map(type, raw))
+    if keys and kinds <= {tuple, list} and min(map(len, raw)) > 0:
         parts = list(itertools.chain.from_iterable(raw))
+        types = set(map(type, parts))
         if (
-            set(map(type, parts)) <= {str, int}
+            types <= {str, int}
             and set(map(type, map(operator.itemgetter(0), raw))) == {str}
-            and min((p for p in parts if type(p) is int), default=0) >= 0
+            and (int not in types or min(p for p in parts if type(p) is int) >= 0)
         ):
-            return dict(zip(keys, map(tuple, raw), strict=True))
+            return dict(zip(keys, raw if kinds == {tuple} else map(tuple, raw), strict=True))
     out: dict[str, tuple[Any, ...]] = {}
     for key, path in zip(keys, raw, strict=True):
         if (
@@ -925,24 +1008,43 @@ def _rebuild(where: str, metadata: Any, make: Any, *, budget: int) -> dict[Any, 
     return root
 
 
-def _dcp_entries(where: str, metadata: Any, *, trusted: Trust) -> dict[str, Any]:
+def _dcp_entries(
+    where: str, metadata: Any, *, trusted: Trust, storage_reader: Any = None
+) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    def make(key: str, path: tuple[Any, ...], md: Any) -> Any:
-        if isinstance(md, TensorStorageMetadata):
-            return TensorMeta(tuple(int(n) for n in md.size), md.properties.dtype)
-        if _is_params_entry(path):
-            return _dcp_read_bytes(where, metadata, key, trusted=trusted)
-        return UNREAD
-
     paths = _dcp_paths(metadata)
+    sdm = metadata.state_dict_metadata
+    keys = list(paths)
+    # only paths ending in "params" can be (found in C; a Python call per key costs more)
+    lasts = map(operator.itemgetter(-1), paths.values())
+    maybe = itertools.compress(keys, map(operator.eq, lasts, itertools.repeat("params")))
+    params = [key for key in maybe if _is_params_entry(paths[key])]
+    values = _read_params(where, metadata, params, trusted=trusted, storage_reader=storage_reader)
+    # TensorMetas built column by column in C (a Python call per key would cost more than
+    # the rest of the view at DeepSeek-V3 scale): frozen dataclass fields set with
+    # object.__setattr__, as the dataclass's own __init__ does
+    records = list(map(sdm.__getitem__, keys))
+    is_tensor = list(map(isinstance, records, itertools.repeat(TensorStorageMetadata)))
+    tensors = list(itertools.compress(records, is_tensor))
+    metas = list(map(object.__new__, itertools.repeat(TensorMeta, len(tensors))))
+    shapes = list(map(tuple, map(operator.attrgetter("size"), tensors)))
+    dtypes = map(operator.attrgetter("properties.dtype"), tensors)
+    collections.deque(map(object.__setattr__, metas, itertools.repeat("shape"), shapes), 0)
+    collections.deque(map(object.__setattr__, metas, itertools.repeat("dtype"), dtypes), 0)
+    made_leaves: dict[str, Any] = dict.fromkeys(keys, UNREAD)  # DCP order, then the values
+    made_leaves.update(zip(itertools.compress(keys, is_tensor), metas, strict=True))
+    made_leaves.update(values)
     if _plain_paths(paths):
         # Only names, and none that can start an optimizer state dict: the flat view is
         # DCP's own keys (DCP joins a path with dots, as flatten does), so the nested
         # rebuild is skipped (a third of the time of `inspect` at DeepSeek-V3 scale).
-        sdm = metadata.state_dict_metadata
-        return {key: make(key, path, sdm[key]) for key, path in paths.items()}
-    root = _rebuild(where, metadata, make, budget=_metadata_size(where))
+        return made_leaves
+    if trusted is not True:  # a trusted checkpoint may be remote: no local size to bound by
+        _check_nesting_cost(where, paths)
+    root = _rebuild(
+        where, metadata, lambda k, p, m: made_leaves[k], budget=_metadata_size(where, trusted)
+    )
     try:
         return flatten(root)
     except Exception as err:
@@ -954,6 +1056,8 @@ def _dcp_entries(where: str, metadata: Any, *, trusted: Trust) -> dict[str, Any]
 
 
 _OPTIMIZER_PARTS: Final = frozenset({"state", "param_groups"})
+_PLAIN_DEPTH: Final = 16
+"""Paths deeper than this take the nested rebuild (linear) instead of the prefix check."""
 
 
 def _plain_paths(paths: dict[str, tuple[Any, ...]]) -> bool:
@@ -962,9 +1066,12 @@ def _plain_paths(paths: dict[str, tuple[Any, ...]]) -> bool:
     True when every path is names only (no list index), none ``state`` or
     ``param_groups`` (no optimizer state dict to flatten its own way), each key is its
     path joined with dots (as DCP writes it), and no path runs through another's value.
-    Checked column by column in C.
+    Checked column by column in C, in time linear in the paths' total length: a path
+    deeper than :data:`_PLAIN_DEPTH` answers False (the nested rebuild handles it).
     """
     values = list(paths.values())
+    if max(map(len, values), default=0) > _PLAIN_DEPTH:
+        return False
     parts = list(itertools.chain.from_iterable(values))
     if set(map(type, parts)) - {str} or not _OPTIMIZER_PARTS.isdisjoint(parts):
         return False
@@ -977,7 +1084,38 @@ def _plain_paths(paths: dict[str, tuple[Any, ...]]) -> bool:
     return True
 
 
-def _metadata_size(where: str) -> int:
+_NESTING_FACTOR: Final = 64
+
+
+def _check_nesting_cost(where: str, paths: dict[str, tuple[Any, ...]]) -> None:
+    """Refuse nesting whose flat keys would cost more than the file's size to build.
+
+    Flattening a path of depth d whose key is n characters long builds d prefixes of up
+    to n characters; DCP's own keys are the joined paths, so for a file DCP wrote the
+    total is about (depth x the keys' length), a small multiple of the file. A crafted
+    path that reuses one long string through the memo would make it quadratic.
+    """
+    budget = _NESTING_FACTOR * _metadata_size(where)
+    cost = 0
+    for path in paths.values():
+        depth = len(path)
+        cost += depth * (sum(len(p) if type(p) is str else 20 for p in path) + depth)
+        if cost > budget:
+            raise CheckpointReadError(
+                f"{where}: {_METADATA_FILE} records paths whose flat keys would take more than "
+                f"{_NESTING_FACTOR} times the file's size to build (nested more deeply, or with "
+                "longer names, than its own keys); corrupt or crafted",
+                path=where,
+            )
+
+
+def _metadata_size(where: str, trusted: Trust = False) -> int:
+    """The local ``.metadata``'s size (at least 4 KiB): what a rebuild may allocate.
+
+    Unbounded for a trusted checkpoint, which may be remote (read by its storage reader).
+    """
+    if trusted is True:
+        return 1 << 62
     try:
         return max(os.stat(os.path.join(where, _METADATA_FILE)).st_size, 1 << 12)
     except OSError:
@@ -994,7 +1132,13 @@ def _storage_file(where: str, key: str, info: Any, *, what: str) -> tuple[str, i
     The file must be a regular file inside the checkpoint directory once symlinks are
     resolved, and ``offset + length`` within its size.
     """
+    file, offset, length, _st = _storage_stat(where, key, info, what=what)
+    return file, offset, length
 
+
+def _storage_stat(
+    where: str, key: str, info: Any, *, what: str
+) -> tuple[str, int, int, os.stat_result]:
     def bad(problem: str) -> CheckpointReadError:
         return CheckpointReadError(
             f"{where}: the storage entry of {key!r} ({what}) {problem}; corrupt or crafted",
@@ -1022,89 +1166,182 @@ def _storage_file(where: str, key: str, info: Any, *, what: str) -> tuple[str, i
         raise bad(
             f"reaches bytes {offset}..{offset + length} of {rel!r}, which has {info_.st_size}"
         )
-    return file, offset, length
+    return file, offset, length, info_
 
 
-def _storage_info(metadata: Any, key: str) -> Any:
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    return next((v for k, v in storage.items() if getattr(k, "fqn", None) == key), None)
+def _has_file_fields(info: Any) -> bool:
+    return all(hasattr(info, f) for f in ("relative_path", "offset", "length"))
 
 
-def _dcp_read_bytes(where: str, metadata: Any, key: str, *, trusted: Trust) -> Any:
-    """Read one (small) bytes entry straight from its data file, safely."""
-    info = _storage_info(metadata, key)
-    if info is None:
-        raise CheckpointReadError(f"{where}: {key!r} has no storage entry in .metadata", path=where)
-    if getattr(info, "transform_descriptors", None):
-        raise CheckpointReadError(
-            f"{where}: {key!r} is stored with transforms {info.transform_descriptors}; "
-            "read it with load_checkpoint()",
-            path=where,
-        )
+def _check_regions(
+    where: str, entries: list[tuple[str, Any]], *, what: str, strict: bool = True
+) -> dict[str, tuple[str, int, int]]:
+    """Each entry's ``(file, offset, length)``, every one inside ``where``, none overlapping.
+
+    DCP's writers (torch's ``FileSystemWriter`` in every release, OLMo-core's) write the
+    entries of one file one after another, each starting where the previous one ended
+    (``offset = stream.tell()``), so no two ranges of one file overlap; the one exception,
+    ``FileSystemWriter(serialization_format=SAFETENSORS)`` (torch >= 2.8, for Hugging Face
+    consolidation), records every tensor at one offset, and torch's own
+    ``FileSystemReader`` cannot load that either. A crafted ``.metadata`` can point many
+    entries at the same bytes; refusing overlaps bounds what a load reads and allocates
+    by the bytes on disk. Files are told apart by
+    device and inode, so two names (a hard link, ``./x``) of one file are one file.
+    ``strict=False`` (a storage reader of the caller's): entries without a relative
+    path, offset and length are left to that reader.
+    """
+    out: dict[str, tuple[str, int, int]] = {}
+    stats: dict[str, tuple[str, os.stat_result]] = {}
+    by_file: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    for key, info in entries:
+        if not strict and not _has_file_fields(info):
+            continue
+        rel = getattr(info, "relative_path", None)
+        known = stats.get(rel) if type(rel) is str else None
+        if known is None:
+            file, offset, length, st = _storage_stat(where, key, info, what=what)
+            stats[str(rel)] = (file, st)
+        else:
+            file, st = known
+            offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
+            if (
+                type(offset) is not int
+                or type(length) is not int
+                or offset < 0
+                or length < 0
+                or offset + length > st.st_size
+            ):
+                raise CheckpointReadError(
+                    f"{where}: the storage entry of {key!r} ({what}) reaches past the end of "
+                    f"{rel!r}; corrupt or crafted",
+                    path=where,
+                )
+        out[key] = (file, offset, length)
+        by_file.setdefault((st.st_dev, st.st_ino), []).append((offset, length, key))
+    for ranges in by_file.values():
+        ranges.sort()
+        for (o1, n1, k1), (o2, _n2, k2) in itertools.pairwise(ranges):
+            if o1 + n1 > o2 and n1:
+                raise CheckpointReadError(
+                    f"{where}: the storage entries of {k1!r} and {k2!r} ({what}) overlap (bytes "
+                    f"{o2}..{min(o1 + n1, o2 + _n2)} of one data file): corrupt, crafted, or "
+                    "written in DCP's safetensors format, which DCP's own FileSystemReader "
+                    "cannot load either (nothing was read)",
+                    path=where,
+                )
+    return out
+
+
+def _read_params(
+    where: str, metadata: Any, keys: list[str], *, trusted: Trust, storage_reader: Any
+) -> dict[str, Any]:
+    """The (small) ``param_groups.<i>.params`` bytes entries, each region read once.
+
+    Their storage entries are checked first: inside the checkpoint directory, none
+    larger than :data:`_MAX_BYTES_ENTRY`, and no two overlapping, so the bytes read
+    (and unpickled) are at most the bytes on disk.
+    """
+    if not keys:
+        return {}
     what = "the group membership of a nested optimizer"
-    file, offset, length = _storage_file(where, key, info, what=what)
-    if length > _MAX_BYTES_ENTRY:
-        raise CheckpointReadError(
-            f"{where}: the storage entry of {key!r} ({what}) is {length} bytes, more than the "
-            f"{_MAX_BYTES_ENTRY} a list of parameter ids takes; corrupt or crafted",
-            path=where,
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    wanted = set(keys)
+    infos = {
+        fqn: info
+        for index, info in storage.items()
+        if (fqn := getattr(index, "fqn", None)) in wanted
+    }
+    for key in keys:
+        info = infos.get(key)
+        if info is None:
+            raise CheckpointReadError(
+                f"{where}: {key!r} has no storage entry in .metadata", path=where
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointReadError(
+                f"{where}: {key!r} is stored with transforms {info.transform_descriptors}; "
+                "read it with load_checkpoint()",
+                path=where,
+            )
+        length = getattr(info, "length", None)
+        if type(length) is int and length > _MAX_BYTES_ENTRY:
+            raise CheckpointReadError(
+                f"{where}: the storage entry of {key!r} ({what}) is {length} bytes, more than "
+                f"the {_MAX_BYTES_ENTRY} a list of parameter ids takes; corrupt or crafted",
+                path=where,
+            )
+    local = os.path.isdir(where)
+    pairs = [(k, infos[k]) for k in keys]
+    strict = storage_reader is None
+    regions = _check_regions(where, pairs, what=what, strict=strict) if local else {}
+    if storage_reader is not None:
+        return _read_bytes_through(where, metadata, keys, storage_reader, trusted=trusted)
+    out: dict[str, Any] = {}
+    for key in keys:
+        file, offset, length = regions[key]
+        out[key] = _load_bytes_entry(
+            where,
+            key,
+            io.BytesIO(_read_region(where, key, file, offset, length, what)),
+            trusted=trusted,
         )
+    return out
+
+
+def _read_region(where: str, key: str, file: str, offset: int, length: int, what: str) -> bytes:
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise CheckpointReadError(f"{where}: {key!r}: not a regular file", path=where)
             f.seek(offset)
-            data = f.read(length)
+            return f.read(length)
     except OSError as err:
         if isinstance(err, CheckpointReadError):
             raise
         raise CheckpointReadError(
-            f"{where}: cannot read {key!r} ({what}) from {info.relative_path}: {_reason(err)}",
-            path=where,
+            f"{where}: cannot read {key!r} ({what}): {_reason(err)}", path=where
         ) from err
-    return _load_bytes_entry(where, key, io.BytesIO(data), trusted=trusted)
 
 
-def _check_storage(where: str, metadata: Any) -> None:
-    """Every storage entry names a regular file inside ``where``, within its size.
+def _read_bytes_through(
+    where: str, metadata: Any, keys: list[str], storage_reader: Any, *, trusted: Trust
+) -> dict[str, Any]:
+    """Bytes entries read by the caller's storage reader (``dcp.load`` of those keys only)."""
+    target: dict[str, Any] = dict.fromkeys(keys)
+    run_dcp_load(
+        where,
+        target,
+        metadata,
+        trusted=trusted,
+        allow_partial_load=False,
+        no_dist=True,
+        storage_reader=storage_reader,
+        flat=True,
+        checked=True,  # the entries it reads (these keys only) were checked by the caller
+    )
+    return target
 
-    DCP's own reader trusts ``relative_path``, ``offset`` and ``length``; this runs
-    before a directory is handed to it.
+
+def _check_storage(where: str, metadata: Any, *, strict: bool = True) -> None:
+    """Every storage entry names a file inside ``where``, within its size, none overlapping.
+
+    See :func:`_check_regions`. DCP's own reader trusts ``relative_path``, ``offset``
+    and ``length``; this runs before a directory is handed to it.
     """
     storage = metadata.storage_data
     if storage is None:
         return
     if not isinstance(storage, dict):
         raise CheckpointReadError(f"{where}: storage_data is not a dict", path=where)
-    seen: dict[str, tuple[str, int]] = {}
-    for index, info in storage.items():
-        key = str(getattr(index, "fqn", "?"))
-        rel = getattr(info, "relative_path", None)
-        if type(rel) is str and rel in seen:  # one stat per file
-            offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
-            _file, size = seen[rel]
-            if (
-                type(offset) is not int
-                or type(length) is not int
-                or offset < 0
-                or length < 0
-                or offset + length > size
-            ):
-                raise CheckpointReadError(
-                    f"{where}: DCP load failed before reading any data: the storage entry of "
-                    f"{key!r} reaches past the end of {rel!r}; corrupt or crafted",
-                    path=where,
-                )
-            continue
-        try:
-            file, _o, _l = _storage_file(where, key, info, what="tensor or bytes data")
-        except CheckpointReadError as err:
-            text = str(err).removeprefix(f"{where}: ")
-            raise CheckpointReadError(
-                f"{where}: DCP load failed before reading any data: {text}", path=where
-            ) from None
-        seen[rel] = (file, os.stat(file).st_size)  # type: ignore[index]
+    entries = [(str(getattr(index, "fqn", "?")), info) for index, info in storage.items()]
+    try:
+        _check_regions(where, entries, what="tensor or bytes data", strict=strict)
+    except CheckpointReadError as err:
+        text = str(err).removeprefix(f"{where}: ")
+        raise CheckpointReadError(
+            f"{where}: DCP load failed before reading any data: {text}", path=where
+        ) from None
 
 
 def _load_bytes_entry(where: str, key: str, data: io.BytesIO, *, trusted: Trust) -> Any:
@@ -1119,29 +1356,55 @@ def _load_bytes_entry(where: str, key: str, data: io.BytesIO, *, trusted: Trust)
         raise wrapped from err
 
 
-def _dcp_load(where: str, *, trusted: Trust) -> dict[str, Any]:
+def _dcp_load(where: str, *, trusted: Trust, storage_reader: Any = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _read_dcp_metadata(where, trusted=trusted)
-    _check_storage(where, metadata)
+    metadata = _read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
+    if os.path.isdir(where):
+        _check_storage(where, metadata, strict=storage_reader is None)
     _check_claimed_bytes(where, metadata)
+    paths = _dcp_paths(metadata)
+    if trusted is not True:
+        _check_nesting_cost(where, paths)
+    if max(map(len, paths.values()), default=0) > _MAX_LOAD_DEPTH:
+        raise CheckpointReadError(
+            f"{where}: {_METADATA_FILE} records values nested more than {_MAX_LOAD_DEPTH} deep, "
+            "deeper than DCP's own loader (which recurses per level) reads; corrupt or crafted",
+            path=where,
+        )
 
     def make(key: str, path: tuple[Any, ...], md: Any) -> Any:
         if isinstance(md, TensorStorageMetadata):
             return torch.empty(tuple(md.size), dtype=md.properties.dtype)
         return md  # replaced by the loaded value, as torch's own empty-dict planner does
 
-    root = _rebuild(where, metadata, make, budget=_metadata_size(where))
-    run_dcp_load(where, root, metadata, trusted=trusted, allow_partial_load=False, no_dist=True)
+    root = _rebuild(where, metadata, make, budget=_metadata_size(where, trusted))
+    run_dcp_load(
+        where,
+        root,
+        metadata,
+        trusted=trusted,
+        allow_partial_load=False,
+        no_dist=True,
+        storage_reader=storage_reader,
+        checked=True,
+    )
     return root
 
+
+_MAX_LOAD_DEPTH: Final = 256
+"""The deepest nesting :func:`load_checkpoint` hands to DCP's (recursive) loader."""
 
 _MAX_EXPANSION: Final = 64
 """How much larger than their stored bytes transformed (compressed) tensors may claim to be."""
 
 
 def _check_claimed_bytes(where: str, metadata: Any) -> None:
-    """Refuse to allocate tensors larger than the data files could hold."""
+    """Refuse to allocate tensors larger than the data files could hold.
+
+    With overlapping entries refused (:func:`_check_regions`), the stored lengths add up
+    to at most the bytes on disk.
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     claimed = 0
@@ -1151,7 +1414,9 @@ def _check_claimed_bytes(where: str, metadata: Any) -> None:
     if not claimed:
         return
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    stored = sum(getattr(info, "length", 0) for info in storage.values())
+    stored = sum(
+        n for info in storage.values() if type(n := getattr(info, "length", 0)) is int and n > 0
+    )
     transformed = any(getattr(info, "transform_descriptors", None) for info in storage.values())
     limit = stored * (_MAX_EXPANSION if transformed else 1)
     if claimed > limit:
@@ -1171,29 +1436,25 @@ def run_dcp_load(
     allow_partial_load: bool,
     no_dist: bool,
     process_group: Any = None,
+    storage_reader: Any = None,
+    flat: bool = False,
+    checked: bool = False,
 ) -> list[tuple[Any, ...]]:
     """``dcp.load`` into ``state_dict`` with the already (safely) read ``metadata``.
 
     Bytes entries load with ``weights_only=not trusted``. Every storage entry is first
-    checked to name a regular file inside ``where`` and bytes within it (DCP's reader
-    trusts them). Returns the paths of the entries of ``state_dict`` that the checkpoint
-    lacks (skipped under ``allow_partial_load``).
+    checked to name a regular file inside ``where`` and bytes within it, none
+    overlapping (DCP's reader trusts them). Returns the paths of the entries of
+    ``state_dict`` that the checkpoint lacks (skipped under ``allow_partial_load``).
+    ``storage_reader``: the caller's DCP ``StorageReader`` reads the data (its
+    ``read_metadata`` is not called: it gets ``metadata``); ``flat``: ``state_dict`` is
+    keyed by DCP's own keys; ``checked``: the storage entries were just checked.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     trusted = _check_trust(trusted)
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    reader = _safe_reader(where, metadata, storage_reader)
 
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -1201,17 +1462,18 @@ def run_dcp_load(
             loaded = _load_bytes_entry(where, fqn, value, trusted=trusted)
             if self.flatten_state_dict:
                 _set_element(self.original_state_dict, tuple(self.mappings[fqn]), loaded)
-            else:
-                self.state_dict[fqn] = loaded
+            else:  # the planner's own state_dict may be a copy (flatten_sharded_tensors)
+                self.original_state_dict[fqn] = self.state_dict[fqn] = loaded
 
-    _check_storage(where, metadata)
-    planner = Planner(allow_partial_load=allow_partial_load)
+    if os.path.isdir(where) and not checked:
+        _check_storage(where, metadata, strict=storage_reader is None)
+    planner = Planner(allow_partial_load=allow_partial_load, flatten_state_dict=not flat)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*intent is to load in a single process")
-            load(
+            _torch_api.dcp_load(
                 state_dict,
-                storage_reader=Reader(where),
+                storage_reader=reader,
                 planner=planner,
                 process_group=process_group,
                 no_dist=no_dist,
@@ -1228,6 +1490,79 @@ def run_dcp_load(
     present = metadata.state_dict_metadata
     mappings = getattr(planner, "mappings", None) or {}
     return [tuple(path) for key, path in mappings.items() if key not in present]
+
+
+def _safe_reader(where: str, metadata: Any, storage_reader: Any) -> Any:
+    """A ``StorageReader`` whose ``read_metadata`` returns the safely read ``metadata``.
+
+    Without ``storage_reader``: DCP's ``FileSystemReader`` on ``where``. With one: a
+    wrapper that hands every call but ``read_metadata`` to it, so its own reading of the
+    data (remote storage, its own file format) is used, never its unpickling of
+    ``.metadata``.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.storage import StorageReader
+
+    def give(load_id: Any) -> Any:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = load_id
+        return metadata
+
+    if storage_reader is None:
+
+        class Reader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                return give(self.load_id)
+
+        return Reader(where)
+    if not isinstance(storage_reader, StorageReader):
+        raise InvalidPolicyError(
+            f"storage_reader must be a torch.distributed.checkpoint.StorageReader, got "
+            f"{type(storage_reader).__name__}"
+        )
+    inner = storage_reader
+
+    class Wrapped(StorageReader):
+        def __init__(self) -> None:
+            pass
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            inner.reset(checkpoint_id)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return bool(type(inner).validate_checkpoint_id(checkpoint_id))
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return give(getattr(inner, "load_id", None))
+
+        def set_up_storage_reader(
+            self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+        ) -> None:
+            # DCP passes rank= and use_collectives= only to readers whose method takes
+            # **kwargs (it inspects the signature); the wrapped reader's own may not
+            import inspect
+
+            takes = "kwargs" in inspect.signature(inner.set_up_storage_reader).parameters
+            inner.set_up_storage_reader(
+                metadata, is_coordinator, *args, **(kwargs if takes else {})
+            )
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return inner.prepare_local_plan(plan)
+
+        def prepare_global_plan(self, plans: Any) -> Any:
+            return inner.prepare_global_plan(plans)
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return inner.read_data(plan, planner)
+
+    return Wrapped()
 
 
 def _unwrap(err: BaseException) -> BaseException:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsdmerge._core import copy_tree, merge_under, reshaped, verdict
+from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
@@ -55,7 +56,7 @@ from dsdmerge.integrations._optim import (
     leaf_optimizers,
     uses_fsdp1,
 )
-from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
+from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAMS,
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+    from dsdmerge.convert import Conversions
     from dsdmerge.rename import Rules
 
 __all__ = [
@@ -104,6 +106,7 @@ def resume_optimizer(
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's optimizer state into ``optimizers``, merged over what they accept.
@@ -144,6 +147,11 @@ def resume_optimizer(
             :func:`dsdmerge.rename`; a preset name such as ``"ddp"`` works). An
             int-keyed ``loaded`` is keyed by fqns first when its groups carry
             torch's ``param_names``; otherwise rekey it with :func:`dsdmerge.rekey`.
+        convert: Layout conversions applied to the checkpoint next (see
+            :func:`dsdmerge.convert`: records and preset names such as ``"qkv"``):
+            moments, steps and hyperparameters of fused, split, stacked or
+            transposed parameters carry over, so that training continues exactly
+            (for elementwise optimizers). Int-keyed ``loaded`` needs ``param_names``.
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (the trained slice of each moment kept; see :func:`dsdmerge.merge`).
             Pass what you passed to :func:`resume_model`. Other than ``"raise"``,
@@ -182,6 +190,7 @@ def resume_optimizer(
         fresh,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
     _load(plan, model, options)
@@ -199,6 +208,7 @@ def backfill_optimizer_state(
     allow_unexpected: str | Iterable[str] = (),
     fresh: Fresh = "as_fresh",
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> dict[Any, Any]:
     """The state dict to pass to ``optimizer.load_state_dict``: ``loaded``, merged and checked.
@@ -235,6 +245,7 @@ def backfill_optimizer_state(
         allow_unexpected: Globs over flat keys the optimizer may lack.
         fresh: ``"as_fresh"`` or ``"reference"`` (see :func:`resume_optimizer`).
         rename: Rename rules for the checkpoint's fqns (see :func:`resume_optimizer`).
+        convert: Layout conversions applied next (see :func:`resume_optimizer`).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``.
 
     Returns:
@@ -275,6 +286,7 @@ def backfill_optimizer_state(
         fresh,
         stacklevel=3,
         rename=rename,
+        convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
     if container:
@@ -309,6 +321,7 @@ def _plan(
     *,
     stacklevel: int,  # as for warnings.warn, counted from here (1: _plan)
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> _Plan:
     require_mapping(loaded, "loaded")
@@ -328,6 +341,8 @@ def _plan(
                 "dsdmerge.rekey(loaded, old_model.named_parameters())"
             )
         checkpoint = dm_rename(checkpoint, rename, unmatched=pol.unmatched_rename)
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
     keyed = "id" if _id_keyed(checkpoint) else "fqn"
     if keyed == "fqn" and model is None:
         raise StateDictTypeError(
@@ -552,6 +567,7 @@ def resume_model(
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
     rename: Rules | None = None,
+    convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> KeyDiff:
     """Load a checkpoint's model state dict into ``model``, merged over its current state.
@@ -573,6 +589,8 @@ def resume_model(
         allow_unexpected: Globs over keys the model may lack.
         rename: Rename rules applied to the checkpoint's keys first (see
             :func:`dsdmerge.rename`; ``"ddp"``, ``"compile"``, ... presets work).
+        convert: Layout conversions applied next (see :func:`dsdmerge.convert`;
+            ``"qkv"``, ``"stack_experts"``, ... presets work).
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"`` (a
             grown vocabulary keeps its trained rows; see :func:`dsdmerge.merge`).
 
@@ -607,7 +625,13 @@ def resume_model(
     opts = dataclasses.replace(options or StateDictOptions(), strict=True)
     reference = get_model_state_dict(model, options=opts)
     merged = merge_under(
-        loaded, reference, pol, stacklevel=2, rename=rename, on_shape_mismatch=on_shape_mismatch
+        loaded,
+        reference,
+        pol,
+        stacklevel=2,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
     )
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
@@ -635,8 +659,9 @@ def load_dcp(
     policy: PolicyName | Policy = "default",
     allow_missing: str | Iterable[str] = (),
     allow_unexpected: str | Iterable[str] = (),
-    trusted: bool = False,
+    trusted: Trust = False,
     process_group: Any = None,
+    storage_reader: Any = None,
 ) -> DCPLoad:
     """Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
 
@@ -674,8 +699,14 @@ def load_dcp(
         allow_missing: Globs over flat keys (as :func:`dsdmerge.flatten` spells
             ``state_dict``) the checkpoint may lack.
         allow_unexpected: Globs over flat keys ``state_dict`` may lack.
-        trusted: Unpickle without restriction (only for trusted checkpoints).
+        trusted: ``False``, a list of ``"module.Name"`` globals to allow (in bytes
+            entries, and as storage classes of ``.metadata``), or ``True``: unpickle
+            without restriction (only for trusted checkpoints); as for
+            :func:`~dsdmerge.integrations.read_metadata`.
         process_group: Passed to ``dcp.load``.
+        storage_reader: A DCP ``StorageReader`` that reads the data (a directory
+            another storage writer wrote, e.g. OLMo-core's); ``.metadata`` is still
+            read safely (see :func:`~dsdmerge.integrations.load_checkpoint`).
 
     Returns:
         ``DCPLoad(state_dict, diff)``: the values read, in ``state_dict``'s
@@ -704,7 +735,7 @@ def load_dcp(
     require_mapping(state_dict, "state_dict")
     where = str(path)
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    view, metadata = read_dcp_metadata(where, trusted=trusted)
+    view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
@@ -724,6 +755,7 @@ def load_dcp(
         allow_partial_load=bool(diff.missing),
         no_dist=no_dist,
         process_group=process_group,
+        storage_reader=storage_reader,
     )
     for path_ in skipped:
         _prune(target, path_)
