@@ -73,8 +73,8 @@ def flat_pass(
     if merge:
         merged = merged_dict(c, r, missing, unexpected, keep_unexpected)
     # the checkpoint's values at the reference's positions (the reference's own where the
-    # checkpoint lacks the key), all of them when group conflicts are looked for
-    at_r: list[Any] | None = list(values_at(c, r, runs, missing)) if conflicts else None
+    # checkpoint lacks the key), all of them when groups are looked at (see _finish)
+    at_r: list[Any] | None = list(values_at(c, r, runs, missing)) if merge or conflicts else None
     if 1 in picked:  # at the reference's tensor positions
         u_vals = list(compress(values_at(c, r, runs, missing) if at_r is None else at_r, picked))
     if u_vals:
@@ -155,7 +155,9 @@ def _finish(
 
     ``c_at_r()``, if the pass can tell: the checkpoint's values at the reference's
     positions, ``MISSING`` where it lacks the key. ``conflict_free()``, if given:
-    whether no group conflict is possible (then none is looked for).
+    whether no param group can have members that disagree (then none is looked at).
+    A merge looks at every group (members that disagree are settled into the result)
+    and so does a pass asked for ``conflicts``; a plain comparison looks at none.
     """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
@@ -163,13 +165,16 @@ def _finish(
             m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
             for m in mismatches
         }
-    if conflicts and conflict_free is not None and conflict_free():
-        conflicts = False  # proven: no group can have members that disagree
+    detect = merged is not None or conflicts
+    if detect and conflict_free is not None and conflict_free():
+        detect = False  # proven: no group can have members that disagree
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
-    if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
-        resolve(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
-    if missing or conflicts:
-        prefixed(c, r, outcome, conflicts=conflicts)
+    if backfilled or (detect and any(map(str.startswith, c, repeat(PG_PREFIX)))):
+        resolve(
+            c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts, c_at_r=c_at_r
+        )
+    if missing or detect:
+        prefixed(c, r, outcome, detect=detect, conflicts=conflicts)
     return outcome
 
 

@@ -43,32 +43,43 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import compress, count, filterfalse, islice, pairwise, repeat
 from operator import contains, is_, is_not, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsdmerge._records import Outcome
 from dsdmerge._table import PgTable, parse_groups
 from dsdmerge._trees import copy_group
-from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
+from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, PG_PREFIX, STATE, group_items
+from dsdmerge.layout import (
+    PARAM_GROUPS,
+    PARAMS,
+    PG_PREFIX,
+    STATE,
+    group_items,
+    optimizer_sections,
+    section_prefixes,
+)
+from dsdmerge.report import compress as compress_keys
 
 __all__ = [
     "DISAGREE",
     "NESTED_PG",
-    "ambiguous",
+    "Settled",
     "backfill",
-    "conflict",
+    "disagreement",
     "equal_hyperparameters",
-    "group_prefix",
     "group_value",
     "home_group",
     "inferred_rows",
     "majority",
     "merge_groups",
     "most_common",
+    "moved_in",
     "prefixed",
     "proven_consistent",
     "resolve",
+    "settle",
+    "settle_groups",
     "twice",
 ]
 
@@ -86,25 +97,16 @@ def group_value(values: list[Any]) -> Any:
     if not present:
         return MISSING
     first = present[0]
-    if all(map(is_, present, repeat(first))) or all(same_value(first, v) for v in present):
+    n = len(present)
+    if list(map(type, present)).count(type(first)) == n:
+        if type(first) in _EXACT and first == first:  # (NaN is never == itself)
+            # values of one plain type are same_value exactly when == (in C, identity first)
+            return first if present.count(first) == n else DISAGREE
+        if all(map(is_, present, repeat(first))):
+            return first
+    if all(same_value(first, v) for v in present):
         return first
     return DISAGREE
-
-
-def majority(values: list[Any]) -> Any:
-    """The most common present value (by equality; the first of them on a tie)."""
-    kinds: list[list[Any]] = []  # [representative, count]
-    for v in values:
-        if v is MISSING:
-            continue
-        for kind in kinds:
-            if kind[0] is v or same_value(kind[0], v):
-                kind[1] += 1
-                break
-        else:
-            kinds.append([v, 1])
-    best = max(kind[1] for kind in kinds)
-    return next(kind[0] for kind in kinds if kind[1] == best)
 
 
 def most_common(owners: list[int | None]) -> int | None:
@@ -131,30 +133,169 @@ def home_group(position: int, owners: list[int | None]) -> int | None:
     return position if position in owners else most_common(owners)
 
 
-def ambiguous(index: int, name: str, members: list[str], values: list[Any], key: str) -> str:
-    shown: list[tuple[str, Any]] = []
-    for member, v in zip(members, values, strict=True):
-        if v is not MISSING and not any(same_value(v, seen) for _, seen in shown):
-            shown.append((member, v))
-        if len(shown) == 2:
-            break
-    (a, va), (b, vb) = shown
-    return (
-        f"param group {index} (inferred from equal reference hyperparameters): its checkpoint "
-        f"members disagree on {name!r} ({a} has {short_repr(va)}, {b} has {short_repr(vb)}), "
-        f"so it may be two groups scheduled apart and the value for {key!r} cannot be told. "
-        "Pass the reference nested (get_optimizer_state_dict without "
-        "flatten_optimizer_state_dict), so that the true groups are known."
+class Settled(NamedTuple):
+    """How one param group's members that disagree on a hyperparameter are settled.
+
+    ``classes``: the positions (in the group's member order) of the members holding
+    each distinct value, in order of first holder; ``values``: one value per class
+    (its first holder's object); ``moved``: per class, whether every holder moved in
+    from another group; ``chosen``: the class whose value the group takes;
+    ``movers``: the members of the other classes that moved in.
+    """
+
+    classes: list[list[int]]
+    values: list[Any]
+    moved: list[bool]
+    chosen: int
+    movers: frozenset[int]
+
+    @property
+    def value(self) -> Any:
+        return self.values[self.chosen]
+
+    def others(self) -> list[int]:
+        """The members holding another value than the group's, in member order."""
+        return sorted(at for i, ats in enumerate(self.classes) if i != self.chosen for at in ats)
+
+    def rewritten(self, *, inferred: bool) -> list[int]:
+        """The members that take the group's value instead of their own, in member order.
+
+        Every member holding another value when the groups are given; with inferred
+        groups only those that moved in (evident: their values are another group's),
+        since the others may be a second group the inference could not tell apart.
+        """
+        return [at for at in self.others() if not inferred or at in self.movers]
+
+
+def settle(values: list[Any], moved: Callable[[int], bool]) -> Settled:
+    """Settle a param group's checkpoint values for one hyperparameter, when they disagree.
+
+    ``values``: each member's checkpoint value, in the reference's member order
+    (``MISSING`` where the checkpoint has none); ``moved(at)``: whether member ``at``
+    moved in from another group (:func:`moved_in`). The group takes the value most of
+    its members hold, leaving out values only moved members hold (unless every value
+    is such); the first member's on a tie.
+    """
+    classes: list[list[int]] = []
+    reps: list[Any] = []
+    keys: dict[Any, int] = {}
+    for at, v in enumerate(values):
+        if v is MISSING:
+            continue
+        key = _class_key(v)
+        i = keys.get(key)
+        if i is None:
+            keys[key] = i = len(reps)
+            reps.append(v)
+            classes.append([])
+        classes[i].append(at)
+    known: dict[int, bool] = {}
+
+    def is_moved(at: int) -> bool:
+        if at not in known:
+            known[at] = moved(at)
+        return known[at]
+
+    all_moved = [all(map(is_moved, ats)) for ats in classes]  # (stops at a member that stayed)
+    pool = [i for i in range(len(reps)) if not all_moved[i]] or list(range(len(reps)))
+    chosen = max(pool, key=lambda i: len(classes[i]))  # max keeps the first of equal counts
+    movers = frozenset(
+        at for i, ats in enumerate(classes) if i != chosen for at in ats if is_moved(at)
+    )
+    return Settled(classes, reps, all_moved, chosen, movers)
+
+
+def majority(values: list[Any]) -> Any:
+    """The value most present ``values`` hold (the first of them on a tie), or ``MISSING``."""
+    counts: dict[Any, list[Any]] = {}  # class key -> [first value, count]
+    for v in values:
+        if v is not MISSING:
+            entry = counts.setdefault(_class_key(v), [v, 0])
+            entry[1] += 1
+    if not counts:
+        return MISSING
+    best = max(n for _, n in counts.values())
+    return next(v for v, n in counts.values() if n == best)
+
+
+def moved_in(row: Iterable[tuple[str, Any]], usual: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a member's checkpoint hyperparameters (``row``: name, value) are another group's.
+
+    ``usual``: for each other param group, the value most of its members hold, per
+    name (:func:`majority`; names none of them holds absent). A member that moved in
+    from such a group holds, for every hyperparameter it has, that group's value.
+    """
+    items = list(row)
+    return bool(items) and any(
+        all(name in values and same_value(v, values[name]) for name, v in items) for values in usual
     )
 
 
-def conflict(group: str, name: str, first: tuple[str, Any], other: tuple[str, Any]) -> str:
-    """The report of two checkpoint members of a param group that disagree on ``name``."""
-    return (
-        f"param group {group}: checkpoint members disagree on {name!r}: {first[0]} has "
-        f"{short_repr(first[1])}, {other[0]} has {short_repr(other[1])}; "
-        "torch keeps the first member's value for the whole group"
+def _class_key(value: Any) -> Any:
+    """A hashable key equal for values :func:`~dsdmerge._values.same_value` calls equal."""
+    key = freeze(value)
+    try:
+        hash(key)
+        key == key  # noqa: B015  (an exotic __eq__ may raise)
+    except Exception:  # noqa: BLE001
+        return ("id", id(value))
+    return key
+
+
+def _params(fqns: list[str]) -> str:
+    """Parameters as compressed patterns (at most three shown), e.g. ``layers.{0..3}.bias``."""
+    try:
+        patterns = compress_keys(fqns, max_parts=16)
+    except Exception:  # noqa: BLE001  (an fqn the patterns cannot spell: plain names)
+        return ", ".join(map(repr, fqns[:3])) + (
+            f" and {len(fqns) - 3} more" if len(fqns) > 3 else ""
+        )
+    shown = ", ".join(repr(str(p)) for p in patterns[:3])
+    rest = sum(p.count for p in patterns[3:])
+    count = f" ({len(fqns)} parameters)" if len(fqns) > 1 else ""
+    return shown + (f" and {rest} more" if rest else "") + count
+
+
+def disagreement(
+    group: str,
+    name: str,
+    members: list[str],
+    settled: Settled,
+    *,
+    inferred: bool,
+    backfilled: list[str],
+) -> str:
+    """The report of a param group whose checkpoint members disagree on ``name``.
+
+    ``members``: the group's member fqns (positions as in ``settled``); ``backfilled``:
+    the members whose ``name`` the checkpoint lacks (they take the group's value).
+    """
+    value = short_repr(settled.value)
+    held = "; ".join(
+        f"{short_repr(v)} held by {_params([members[at] for at in ats])}"
+        + (" (moved in: another param group's values)" if moved else "")
+        for v, ats, moved in zip(settled.values, settled.classes, settled.moved, strict=True)
     )
+    text = f"param group {group}: its checkpoint members disagree on {name!r}: {held}"
+    rewritten = set(settled.rewritten(inferred=inferred))
+    changes = [
+        f"{_params([members[at] for at in ats if at in rewritten])} {short_repr(v)} -> {value}"
+        for v, ats in zip(settled.values, settled.classes, strict=True)
+        if any(at in rewritten for at in ats)
+    ]
+    text += f"; the group takes {value}" + (f": {', '.join(changes)}" if changes else "")
+    if backfilled:
+        text += f"; backfilled {_params(backfilled)} take it"
+    left = [at for at in settled.others() if at not in rewritten]
+    if left:
+        text += (
+            f"; {_params([members[at] for at in left])} keep their own value, as the group "
+            "is inferred from equal reference values and may be two param groups scheduled "
+            "apart (torch gives a whole group its first member's value): pass the reference "
+            "nested (get_optimizer_state_dict without flatten_optimizer_state_dict) so that "
+            "the true groups are known"
+        )
+    return text
 
 
 def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> bool:
@@ -282,7 +423,7 @@ def inferred_rows(table: PgTable) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------
-# flat state dicts: backfill and conflicts
+# flat state dicts: backfill, moved members and conflicts
 
 
 def resolve(
@@ -292,20 +433,38 @@ def resolve(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
     c_at_r: Callable[[], Iterable[Any]] | None = None,
 ) -> None:
-    """Group-consistent values for backfilled ``param_groups.*`` keys, and conflicts.
+    """Group-consistent ``param_groups.*`` values: backfills, moved members, conflicts.
 
+    Only when ``r``'s ``param_groups.*`` keys are a flattened optimizer's (some value
+    is a hyperparameter, not a tensor: see :mod:`dsdmerge.layout`). ``detect``: look
+    at every group for members that disagree (else only the groups of ``backfilled``
+    keys, whose members are known to agree); ``conflicts``: report those groups.
     By columns when the reference's ``param_groups.*`` keys form a table (every
     parameter with the same hyperparameter names, in the same order: what torch
-    writes), else key by key.
+    writes), else key by key; both give the same results.
     """
     table = PgTable.of(r)
     if table is None:
-        _resolve_by_keys(c, r, groups, backfilled, outcome, conflicts=conflicts)
-    else:
-        _resolve_table(table, c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
+        _resolve_by_keys(c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts)
+    elif not all(map(is_tensor_like, set(map(type, table.values)))):
+        _resolve_table(
+            table,
+            c,
+            groups,
+            backfilled,
+            outcome,
+            detect=detect,
+            conflicts=conflicts,
+            c_at_r=c_at_r,
+        )
+
+
+def _label(index: int, inferred: bool) -> str:
+    return f"{index} (inferred)" if inferred else str(index)
 
 
 def _resolve_table(
@@ -315,17 +474,17 @@ def _resolve_table(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
     c_at_r: Callable[[], Iterable[Any]] | None,
 ) -> None:
     """:func:`_resolve_by_keys`, by the columns of ``table``."""
-    inferred = " (inferred)" if groups is None else ""
     if groups is None:
         rows = inferred_rows(table)
     else:
         row_of = dict(zip(table.fqns, count()))
         rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
-    if not backfilled and not conflicts:
+    if not backfilled and not detect:
         return
     # the checkpoint's value at each cell of the table (MISSING where it has none), read by
     # columns below: no key is spelled or hashed
@@ -336,51 +495,115 @@ def _resolve_table(
         if table.order is not None:  # into the table's order (see PgTable.order)
             c_vals = list(map(c_vals.__getitem__, table.order))
     k = len(table.names)
-    if backfilled:
-        fqns = table.fqns
-        col_of = dict(zip(table.names, count()))
+    col_of = dict(zip(table.names, count()))
+    fqns = table.fqns
+    columns = [c_vals[j::k] for j in range(k)]
 
-        def values_of(index: int, name: str) -> list[Any]:
-            return list(map(c_vals[col_of[name] :: k].__getitem__, rows[index]))
+    def values_of(index: int, name: str) -> list[Any]:
+        return list(map(columns[col_of[name]].__getitem__, rows[index]))
 
-        backfill(
-            c,
-            outcome.merged,
-            backfilled,
-            [[fqns[i] for i in members] for members in rows],
-            inferred=groups is None,
-            problems=outcome.problems,
-            values_of=values_of,
-        )
-    if not conflicts:
+    members = [[fqns[i] for i in group] for group in rows]
+    if not detect:
+        backfill(c, outcome.merged, backfilled, members, values_of=values_of)
         return
-    blocks = table.blocks or [(0, len(table.fqns), table.names)]
-    for index, members in enumerate(rows):
-        found: list[tuple[int, int, str]] = []
-        # reported in the order the group's keys name them (its first member's block)
-        names = next((b for first, end, b in blocks if members and first <= members[0] < end), [])
-        place = dict(zip(names, count()))
-        for j, name in enumerate(table.names):
-            column = list(map(c_vals[j::k].__getitem__, members))
-            if column and all(map(is_, column, repeat(column[0]))) and column[0] is not MISSING:
-                continue  # the same object for every member: no conflict
-            first: tuple[int, Any] | None = None
-            for at, value in enumerate(column):
-                if value is MISSING:
-                    continue
-                if first is None:
-                    first = (at, value)
-                elif not same_value(first[1], value):
-                    text = conflict(
-                        f"{index}{inferred}",
-                        name,
-                        (table.fqns[members[first[0]]], first[1]),
-                        (table.fqns[members[at]], value),
-                    )
-                    found.append((at, place.get(name, j), text))
-                    break
-        found.sort(key=itemgetter(0, 1))
-        outcome.conflicts.extend(text for _, _, text in found)
+    blocks = table.blocks or [(0, len(fqns), table.names)]
+
+    def names_of(index: int) -> list[str]:  # in the order its keys name them (its first row's)
+        group = rows[index]
+        return next((b for first, end, b in blocks if group and first <= group[0] < end), [])
+
+    keys = table.keys
+
+    def key_of(index: int, at: int, name: str) -> str:
+        return keys[rows[index][at] * k + col_of[name]]
+
+    settle_groups(
+        members,
+        names_of,
+        values_of,
+        key_of,
+        outcome,
+        inferred=groups is None,
+        conflicts=conflicts,
+    )
+
+
+def settle_groups(
+    members: list[list[str]],
+    names_of: Callable[[int], list[str]],
+    values_of: Callable[[int, str], list[Any]],
+    key_of: Callable[[int, int, str], str | None],
+    outcome: Outcome,
+    *,
+    inferred: bool,
+    conflicts: bool,
+) -> None:
+    """Every group's value for every hyperparameter, written where it is missing or moved.
+
+    ``members``: the groups' member fqns; ``names_of(g)``: group ``g``'s hyperparameters
+    in order; ``values_of(g, name)``: the checkpoint's value for each member
+    (``MISSING`` where it has none); ``key_of(g, at, name)``: the flat key of member
+    ``at``'s value (``None`` when the reference has none: that member has no such
+    hyperparameter). Groups whose members agree give their value to the members that
+    lack one; the others are settled (:func:`settle`) and reported in
+    ``outcome.conflicts`` (when ``conflicts``), group by group, name by name.
+    """
+    merged = outcome.merged
+    agreed: dict[tuple[int, str], Any] = {}
+    held: dict[tuple[int, str], list[Any]] = {}
+    usual: list[dict[str, Any]] = [{} for _ in members]  # per group: its majority values
+    for index in range(len(members)):
+        for name in names_of(index):
+            values = held[index, name] = values_of(index, name)
+            value = agreed[index, name] = group_value(values)
+            if value is DISAGREE:
+                usual[index][name] = majority(values)
+            elif value is not MISSING:
+                usual[index][name] = value
+    for (index, name), value in agreed.items():
+        if value is MISSING:
+            continue  # no member has one: a backfill keeps the reference's value
+        values = held[index, name]
+        lacking = [
+            (at, key)
+            for at in compress(count(), map(is_, values, repeat(MISSING)))
+            if (key := key_of(index, at, name)) is not None
+        ]
+        if value is not DISAGREE:
+            if merged is not None:
+                merged.update(zip(map(itemgetter(1), lacking), repeat(value)))
+            continue
+        others = usual[:index] + usual[index + 1 :]
+
+        settled = settle(values, partial(_moved_member, held, index, names_of(index), others))
+        if merged is not None:
+            merged.update(zip(map(itemgetter(1), lacking), repeat(settled.value)))
+            for at in settled.rewritten(inferred=inferred):
+                merged[str(key_of(index, at, name))] = settled.value
+        if conflicts:
+            group = members[index]
+            outcome.conflicts.append(
+                disagreement(
+                    _label(index, inferred),
+                    name,
+                    group,
+                    settled,
+                    inferred=inferred,
+                    backfilled=[group[at] for at, _ in lacking],
+                )
+            )
+
+
+def _moved_member(
+    held: Mapping[tuple[int, str], list[Any]],
+    index: int,
+    names: list[str],
+    others: list[dict[str, Any]],
+    at: int,
+) -> bool:
+    """:func:`moved_in` for member ``at`` of group ``index`` (``held``: values per group, name)."""
+    pairs = ((name, held[index, name][at]) for name in names)
+    return moved_in([(n, v) for n, v in pairs if v is not MISSING], others)
 
 
 def backfill(
@@ -389,23 +612,19 @@ def backfill(
     backfilled: list[str],
     groups: list[list[str]],
     *,
-    inferred: bool,
-    problems: list[str],
     values_of: Callable[[int, str], list[Any]] | None = None,
 ) -> None:
-    """Give each backfilled ``param_groups.*`` key its group's checkpoint value.
+    """Give each backfilled ``param_groups.*`` key the value its group's members share.
 
-    ``groups`` are lists of fqns. The value is the one the checkpoint's members of
-    the group hold (the most common one, the first on a tie, when they disagree:
-    members moved in from another group are the minority); the reference's when
-    no member has one. With ``inferred`` groups (made from equal reference values)
-    members that disagree may be two groups the inference could not tell apart,
-    so no value is picked: a line goes to ``problems`` (the merge is refused).
-    Writes into ``merged`` unless it is ``None`` (a check). Each group and
-    hyperparameter is scanned once: ``values_of(group, name)``, if given, is the
+    For groups known to agree (:func:`~dsdmerge._groups.proven_consistent`): ``groups``
+    are lists of fqns; a key whose group has no member with a value keeps the
+    reference's. Writes into ``merged`` unless it is ``None`` (a check). Each group
+    and hyperparameter is scanned once: ``values_of(group, name)``, if given, is the
     checkpoint's value for each member in order (``MISSING`` where it has none), as
     the keys ``param_groups.<member>.<name>`` looked up in ``c`` would give.
     """
+    if merged is None:
+        return
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     n = len(PG_PREFIX)
     found: dict[tuple[int, str], Any] = {}  # (group, hyperparameter) -> checkpoint value
@@ -416,21 +635,13 @@ def backfill(
             continue
         value = found.get((index, name), found)
         if value is found:  # first backfilled key of this group and name: scan the group once
-            members = groups[index]
             if values_of is None:
-                keys = [f"{PG_PREFIX}{member}.{name}" for member in members]
+                keys = [f"{PG_PREFIX}{member}.{name}" for member in groups[index]]
                 values = list(map(c.get, keys, repeat(MISSING)))
             else:
                 values = values_of(index, name)
-            value = group_value(values)
-            if value is DISAGREE:
-                if inferred:
-                    problems.append(ambiguous(index, name, members, values, key))
-                    value = MISSING
-                else:
-                    value = majority(values)
-            found[index, name] = value
-        if value is not MISSING and merged is not None:
+            value = found[index, name] = next(filterfalse(partial(is_, MISSING), values), MISSING)
+        if value is not MISSING:
             merged[key] = value
 
 
@@ -441,85 +652,84 @@ def _resolve_by_keys(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
 ) -> None:
-    """Give backfilled ``param_groups.*`` keys their group's checkpoint value; find conflicts.
+    """Give backfilled ``param_groups.*`` keys their group's checkpoint value; settle groups.
 
     A group is the reference's (when it was nested) or else the parameters whose
-    reference hyperparameters are all equal. A backfilled key takes the value of
-    the first member of its group (in reference order) that the checkpoint has,
-    and the reference's value only when no member has one.
+    reference hyperparameters are all equal. With ``detect``, every group is looked
+    at (:func:`settle_groups`); else only backfilled keys' groups, known to agree.
     """
     r_hyper, r_keys = parse_groups(r)
-    inferred_from_nested = groups is not None
-    inferred = " (inferred)" if groups is None else ""
+    if not any(not is_tensor_like(type(v)) for row in r_hyper.values() for v in row.values()):
+        return  # a model's tensors under a "param_groups" segment: no optimizer
+    inferred = groups is None
     if groups is None:
         groups = equal_hyperparameters((fqn, values.items()) for fqn, values in r_hyper.items())
-    if backfilled:
-        backfill(
-            c,
-            outcome.merged,
-            backfilled,
-            groups,
-            inferred=not inferred_from_nested,
-            problems=outcome.problems,
-        )
-    if not conflicts:
+    if not detect:
+        backfill(c, outcome.merged, backfilled, groups)
         return
-    c_get = c.get
-    for index, members in enumerate(groups):
-        seen: dict[str, tuple[str, Any]] = {}
-        reported: set[str] = set()
-        for member in members:
-            keys = r_keys.get(member)
-            if not keys:
-                continue
-            for name, key in keys.items():
-                value = c_get(key, MISSING)
-                if value is MISSING or name in reported:
-                    continue
-                first = seen.get(name)
-                if first is None:
-                    seen[name] = (member, value)
-                elif first[1] is not value and not same_value(first[1], value):
-                    reported.add(name)
-                    outcome.conflicts.append(
-                        conflict(f"{index}{inferred}", name, first, (member, value))
-                    )
+    rows = [[m for m in members if m in r_keys] for members in groups]
+
+    def names_of(index: int) -> list[str]:
+        names: dict[str, None] = {}
+        for member in rows[index]:
+            names.update(dict.fromkeys(r_keys[member]))
+        return list(names)
+
+    def values_of(index: int, name: str) -> list[Any]:
+        keys = [r_keys[m].get(name) for m in rows[index]]
+        return [MISSING if key is None else c.get(key, MISSING) for key in keys]
+
+    def key_of(index: int, at: int, name: str) -> str | None:
+        key: str | None = r_keys[rows[index][at]].get(name)
+        return key
+
+    settle_groups(
+        rows, names_of, values_of, key_of, outcome, inferred=inferred, conflicts=conflicts
+    )
 
 
 NESTED_PG = "." + PG_PREFIX
 
 
-def group_prefix(key: str) -> str:
-    """``"optim."`` for ``"optim.param_groups.w.lr"``; ``""`` when there is no such prefix."""
-    at = key.find(NESTED_PG)
-    return key[: at + 1] if at >= 0 else ""
-
-
 def prefixed(
-    c: Mapping[str, Any], r: Mapping[str, Any], outcome: Outcome, *, conflicts: bool
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    outcome: Outcome,
+    *,
+    detect: bool,
+    conflicts: bool,
 ) -> None:
     """Group-consistent hyperparameters for flattened optimizers under a prefix.
 
     A flattened whole checkpoint spells its optimizer's keys
-    ``optim.param_groups.<fqn>.<hp>``: each such prefix gets the same treatment as
-    top-level ``param_groups.*`` keys, on the keys under it.
+    ``optim.param_groups.<fqn>.<hp>``: each such prefix that is an optimizer's section
+    (:func:`~dsdmerge.layout.is_optimizer_section` of the reference) gets the same
+    treatment as top-level ``param_groups.*`` keys, on the keys under it: the
+    prefixes of missing keys, and with ``detect`` those of every checkpoint key.
     """
     merged = outcome.merged
     backfilled = [k for k in outcome.missing if NESTED_PG in k]
-    prefixes = dict.fromkeys(filter(None, map(group_prefix, backfilled)))
-    if conflicts:
+    found: dict[str, None] = {}
+    for key in backfilled:
+        found.update(dict.fromkeys(section_prefixes(key)))
+    if detect:
         # only keys with ".param_groups." in them (a C-level pass) have a prefix
-        nested = compress(c, map(contains, c, repeat(NESTED_PG)))
-        prefixes.update(dict.fromkeys(filter(None, map(group_prefix, nested))))
-    for prefix in prefixes:
+        for key in compress(c, map(contains, c, repeat(NESTED_PG))):
+            found.update(dict.fromkeys(section_prefixes(key)))
+    found.pop("", None)
+    if not found:
+        return
+    sections = optimizer_sections(r, found)
+    for prefix in sections:
         head, n = prefix + PG_PREFIX, len(prefix)
         sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
         sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
         mine = [k[n:] for k in backfilled if k.startswith(head)]
         sub = Outcome({} if merged is not None else None, [], [], [])
-        resolve(sub_c, sub_r, None, mine, sub, conflicts=conflicts)
+        resolve(sub_c, sub_r, None, mine, sub, detect=detect, conflicts=conflicts)
         if merged is not None and sub.merged:
             merged.update((prefix + k, v) for k, v in sub.merged.items())
         outcome.conflicts.extend(f"{prefix[:-1]!r}: {line}" for line in sub.conflicts)
@@ -624,11 +834,18 @@ def merge_groups(
                 have = c_names[own] if own is not None else ()
                 names = [name for name, _ in r_items if name not in have]
                 if own is not None and conflicts:
-                    outcome.conflicts.append(
-                        f"{where}: {s} moved: it is in checkpoint group {own} but the "
-                        f"reference puts it with members of checkpoint group {ci}, whose "
-                        "hyperparameters it takes"
-                    )
+                    was = dict(c_groups[own][1])
+                    changes = [
+                        f"{name!r} {short_repr(was[name])} -> {short_repr(group[name])}"
+                        for name, _ in r_items
+                        if name in was and not same_value(was[name], group[name])
+                    ]
+                    if changes:  # (a move between groups that agree changes nothing)
+                        outcome.conflicts.append(
+                            f"{where}: {s} moved: it is in checkpoint group {own} but the "
+                            f"reference puts it with members of checkpoint group {ci}, whose "
+                            f"hyperparameters it takes: {', '.join(changes)}"
+                        )
             missing.extend(f"{group_prefix}{s}.{name}" for name in names)
     if len(matched) < len(c_groups):
         any_unexpected = True

@@ -43,17 +43,17 @@ from typing import Any
 from dsdmerge._groups import (
     DISAGREE,
     NESTED_PG,
-    ambiguous,
-    conflict,
-    group_prefix,
+    disagreement,
     group_value,
     majority,
     merge_groups,
+    moved_in,
+    settle,
 )
 from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
 from dsdmerge._tensors import differs
 from dsdmerge._trees import copy_tree, flat_keys, flatten
-from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value
+from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str
 from dsdmerge.errors import LayoutError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -63,7 +63,9 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     classify,
+    is_optimizer_section,
     is_optimizer_state_dict,
+    section_prefixes,
 )
 
 __all__ = ["outcome"]
@@ -150,24 +152,31 @@ def flat(
             out.take_reference[m.key] = Slot(partial(merged.__setitem__, m.key), c[m.key], r[m.key])
     # rule 4: the top level's param groups (given when the reference was nested), then each
     # flattened optimizer under a prefix (inferred), in order of first appearance
-    prefixes = [group_prefix(k) for k in missing if NESTED_PG in k]
-    if conflicts:
-        prefixes += [group_prefix(k) for k in c if NESTED_PG in k]
-    sections: list[tuple[str, list[list[str]] | None]] = [("", groups)]
-    sections += [(p, None) for p in dict.fromkeys(prefixes) if p]
+    look = merge or conflicts
+    candidates: dict[str, None] = {}
+    for k in missing:
+        if NESTED_PG in k:
+            candidates.update(dict.fromkeys(section_prefixes(k)))
+    if look:
+        for k in c:
+            if NESTED_PG in k:
+                candidates.update(dict.fromkeys(section_prefixes(k)))
+    candidates.pop("", None)
+    sections: list[tuple[str, list[list[str]] | None]] = []
+    if is_optimizer_section(r, ""):
+        sections.append(("", groups))
+    sections += [(p, None) for p in candidates if is_optimizer_section(r, p)]
     for prefix, given in sections:
         n = len(prefix)
         head = prefix + PG_PREFIX
         sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
         sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
-        backfilled = [k[n:] for k in missing if k.startswith(head)]
-        found = _param_groups(sub_c, sub_r, given, backfilled, conflicts=conflicts)
-        values, conflict_lines, problems = found
+        values, conflict_lines = _param_groups(sub_c, sub_r, given, look=look)
         if merged is not None:
             merged.update((prefix + k, v) for k, v in values.items())
         where = f"{prefix[:-1]!r}: " if prefix else ""
-        out.conflicts += [where + line for line in conflict_lines]
-        out.problems += [where + line for line in problems]
+        if conflicts:
+            out.conflicts += [where + line for line in conflict_lines]
     if key_prefix:  # a flat sub-dict of a nested walk names its keys by its path
         out.missing = [key_prefix + k for k in out.missing]
         out.unexpected = [key_prefix + k for k in out.unexpected]
@@ -182,65 +191,87 @@ def _param_groups(
     c: Mapping[str, Any],
     r: Mapping[str, Any],
     given: list[list[str]] | None,
-    backfilled: list[str],
     *,
-    conflicts: bool,
-) -> tuple[dict[str, Any], list[str], list[str]]:
-    """``(backfilled values, conflicts, problems)`` for one optimizer's ``param_groups.*`` keys."""
+    look: bool,
+) -> tuple[dict[str, Any], list[str]]:
+    """``(values to write, conflict lines)`` for one optimizer's ``param_groups.*`` keys.
+
+    The groups are ``given`` or else the parameters whose reference hyperparameters
+    are all equal. For each group and hyperparameter (in the order the group's keys
+    name them), the members' checkpoint values: a member the checkpoint lacks a value
+    for takes the value they all hold (none: the reference's stays); when they
+    disagree (only looked at with ``look``: a merge or a search for conflicts), the
+    group is settled by :func:`dsdmerge._groups.settle` and each member lacking a
+    value, or moved in (:meth:`~dsdmerge._groups.Settled.rewritten`), takes its value.
+    """
     rows: dict[str, dict[str, str]] = {}  # fqn -> {hyperparameter: key}, in key order
     for key in r:
         fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
         if dot and fqn:
             rows.setdefault(fqn, {})[name] = key
-    if given is None:  # the parameters whose reference hyperparameters are all equal
+    if given is None:
         by_signature: dict[Any, list[str]] = {}
         for fqn, keys in rows.items():
             signature = tuple((name, freeze(r[key])) for name, key in keys.items())
             by_signature.setdefault(signature, []).append(fqn)
         groups = list(by_signature.values())
     else:
-        groups = given
+        groups = [[m for m in members if m in rows] for members in given]
     inferred = given is None
-    group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
+    # each group's members' values per hyperparameter, in member order (MISSING: none)
+    held: dict[tuple[int, str], list[Any]] = {}
+    for index, members in enumerate(groups):
+        for member in members:
+            for name in rows[member]:
+                held.setdefault((index, name), [])
+        for name in [n for (i, n) in held if i == index]:
+            held[index, name] = [
+                c.get(rows[m][name], MISSING) if name in rows[m] else MISSING for m in members
+            ]
+    agreed = {place: group_value(values) for place, values in held.items()}
+    usual: list[dict[str, Any]] = [{} for _ in groups]  # per group: the value most members hold
+    for (index, name), value in agreed.items():
+        if value is DISAGREE:
+            usual[index][name] = majority(held[index, name])
+        elif value is not MISSING:
+            usual[index][name] = value
     values: dict[str, Any] = {}
-    problems: list[str] = []
-    decided: dict[tuple[int, str], Any] = {}
-    for key in backfilled:
-        fqn, _, name = key[len(PG_PREFIX) :].rpartition(".")
-        index = group_of.get(fqn)
-        if index is None:
-            continue  # no group: the reference's own value stays
-        if (index, name) not in decided:
-            members = groups[index]
-            held = [c.get(f"{PG_PREFIX}{m}.{name}", MISSING) for m in members]
-            value = group_value(held)
-            if value is DISAGREE and inferred:
-                problems.append(ambiguous(index, name, members, held, key))
-                value = MISSING
-            elif value is DISAGREE:
-                value = majority(held)
-            decided[index, name] = value
-        if decided[index, name] is not MISSING:
-            values[key] = decided[index, name]
     lines: list[str] = []
-    if conflicts:
-        label = " (inferred)" if inferred else ""
-        for index, members in enumerate(groups):
-            first: dict[str, tuple[str, Any]] = {}
-            reported: set[str] = set()
-            for member in members:
-                for name, key in rows.get(member, {}).items():
-                    value = c.get(key, MISSING)
-                    if value is MISSING or name in reported:
-                        continue
-                    if name not in first:
-                        first[name] = (member, value)
-                    elif not same_value(first[name][1], value):
-                        reported.add(name)
-                        lines.append(
-                            conflict(f"{index}{label}", name, first[name], (member, value))
-                        )
-    return values, lines, problems
+    for (index, name), value in agreed.items():
+        members = groups[index]
+        vals = held[index, name]
+        lacking = [at for at, v in enumerate(vals) if v is MISSING and name in rows[members[at]]]
+        if value is MISSING:
+            continue
+        if value is not DISAGREE:
+            for at in lacking:
+                values[rows[members[at]][name]] = value
+            continue
+        if not look:  # (a comparison that looks for nothing)
+            continue
+        others = usual[:index] + usual[index + 1 :]
+        names = [n for (i, n) in held if i == index]
+        moved = [  # each member: every hyperparameter it holds is another group's value
+            moved_in(
+                [(n, held[index, n][at]) for n in names if held[index, n][at] is not MISSING],
+                others,
+            )
+            for at in range(len(members))
+        ]
+        settled = settle(vals, moved.__getitem__)
+        for at in lacking + settled.rewritten(inferred=inferred):
+            values[rows[members[at]][name]] = settled.value
+        lines.append(
+            disagreement(
+                f"{index} (inferred)" if inferred else str(index),
+                name,
+                members,
+                settled,
+                inferred=inferred,
+                backfilled=[members[at] for at in lacking],
+            )
+        )
+    return values, lines
 
 
 # --------------------------------------------------------------------------------------

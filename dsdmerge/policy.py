@@ -115,7 +115,7 @@ class Policy:
     unexpected: Action = "ignore"
     shape: Action = "raise"
     dtype: Action = "ignore"
-    conflict: Action = "ignore"
+    conflict: Action = "warn"
     unrelated: Action = "raise"
     unmatched_rename: Action = "warn"
     allow_missing: tuple[str, ...] = ()
@@ -225,7 +225,7 @@ def _never(key: str) -> bool:
 DEFAULT = Policy(name="default")
 """Backfill missing keys, keep unexpected ones, keep dtype mismatches, raise on shape mismatches."""
 
-WARN = Policy(missing="warn", unexpected="warn", dtype="warn", conflict="warn", name="warn")
+WARN = Policy(missing="warn", unexpected="warn", dtype="warn", name="warn")
 """Like :data:`DEFAULT`, plus one summarised :class:`~dsdmerge.DSDMergeWarning` per kind of
 difference."""
 
