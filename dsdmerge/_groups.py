@@ -39,6 +39,7 @@ same treatment (:func:`prefixed`).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import compress, count, filterfalse, islice, pairwise, repeat
@@ -48,7 +49,14 @@ from typing import Any, NamedTuple
 from dsdmerge._records import Outcome
 from dsdmerge._table import PgTable, parse_groups
 from dsdmerge._trees import copy_group
-from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value, short_repr
+from dsdmerge._values import (
+    MISSING,
+    freeze,
+    is_tensor_like,
+    key_str,
+    same_value,
+    short_repr,
+)
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -298,7 +306,42 @@ def disagreement(
     return text
 
 
-def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> bool:
+def _filled(
+    c_values: list[Any],
+    k: int,
+    blocks: list[tuple[int, int]],
+    holes: list[int],
+    absent: set[tuple[int, int]],
+) -> list[Any]:
+    """A copy of ``c_values`` with each hole holding its block's value for that column.
+
+    The value is the one at the block's first row that has the column; a (block,
+    column) that no row has goes into ``absent`` (its holes hold ``None``).
+    """
+    out = list(c_values)
+    gone = set(holes)
+    starts = [start for start, _ in blocks]
+    for p in holes:
+        row, j = divmod(p, k)
+        b = bisect_right(starts, row) - 1
+        start, end = blocks[b]
+        at = next((q for q in range(start * k + j, end * k, k) if q not in gone), None)
+        if at is None:
+            absent.add((start, j))
+            out[p] = None
+        else:
+            out[p] = c_values[at]
+    return out
+
+
+def proven_consistent(
+    r_values: list[Any],
+    c_values: list[Any],
+    period: int,
+    *,
+    holes: list[int] | None = None,
+    kinds: tuple[list[type], list[type]] | None = None,
+) -> bool:
     """Whether no param group can have checkpoint members that disagree: a quick proof.
 
     ``r_values`` and ``c_values`` are the two sides' values at the same positions,
@@ -315,8 +358,14 @@ def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> 
     hyperparameter), each slice cut into runs of one reference object; a run whose
     checkpoint values are all equal (one object, or ``==`` between values of one
     plain scalar type) is summarised by one (reference, checkpoint) pair, and the
-    pairs of equal reference values must have equal checkpoint values.
+    pairs of equal reference values must have equal checkpoint values. First, when
+    the values have torch's shape, the same by blocks of rows (:func:`_proven_by_blocks`),
+    where ``holes`` (positions the checkpoint lacks, in order) are left out;
+    ``kinds``, if known: the types of ``r_values`` and ``c_values``.
     """
+    by_blocks = _proven_by_blocks(r_values, c_values, period, holes or [], kinds)
+    if by_blocks is not None:
+        return by_blocks
     pairs: list[tuple[Any, Any]] = []
     try:
         for j in range(period):
@@ -356,6 +405,124 @@ def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> 
 # Values of these types that are == and of one type are same_value (NaN is never == itself).
 _EXACT = frozenset({float, int, bool, str, type(None)})
 _PROOF_RUNS = 4096  # runs summarised at most: beyond, the exact check is cheaper
+_BLOCKS = 256  # blocks of equal reference rows the block proof takes at most
+
+
+def _plain(value: Any) -> bool:
+    """A value the block proof reads: a plain scalar, or a short flat tuple of them."""
+    tp = type(value)
+    return tp in _EXACT or (
+        tp is tuple and len(value) <= 16 and all(type(x) in _EXACT for x in value)
+    )
+
+
+def _proven_by_blocks(
+    r_values: list[Any],
+    c_values: list[Any],
+    k: int,
+    holes: list[int],
+    kinds: tuple[list[type], list[type]] | None = None,
+) -> bool | None:
+    """:func:`proven_consistent` by blocks of rows, in C-level list comparisons.
+
+    The positions are rows of ``k`` (torch's layout: one row per parameter), and the
+    reference's rows come in blocks of equal rows (a param group's members share
+    their value objects, and torch writes a group's members one after another).
+    Each block's reference rows are found by galloping comparisons of slices with
+    its first row repeated (``==``, identity first), and must have its first row's
+    types; its checkpoint rows must equal the checkpoint's first row of the block
+    (``==``, then the types; tuples' items by their distinct objects). Plain values
+    only (scalars and short flat tuples of them, where ``==`` of one type is
+    same_value, NaN aside, which ``==`` never joins). Then the first rows' positions
+    whose reference values are same_value (in any column: the condition is name-free)
+    must hold same_value checkpoint values. At a hole (a position the checkpoint
+    lacks, where no member holds a value) the block's value for that column stands
+    in, from its first row that has one. ``kinds``: the two sides' types, if known
+    (else one pass makes them). ``True``: proven; ``False``: not proven (the exact
+    check decides); ``None``: not this shape (the run-by-run proof tries).
+    """
+    n = len(r_values)
+    if not n or k < 1 or n % k or len(c_values) != n:
+        return None
+    rows = n // k
+    r_kinds, c_kinds = kinds if kinds is not None else (None, None)
+    try:
+        blocks: list[tuple[int, int]] = []
+        r_types: list[type] = []  # what the types must be, block by block
+        start = 0
+        while start < rows:
+            if len(blocks) == _BLOCKS:
+                return None
+            row = r_values[start * k : (start + 1) * k]
+            if not all(map(_plain, row)):
+                return None
+            end = _rows_like(r_values, row, k, start + 1, rows)
+            blocks.append((start, end))
+            r_types += list(map(type, row)) * (end - start)
+            start = end
+        if (r_kinds if r_kinds is not None else list(map(type, r_values))) != r_types:
+            return None  # equal values of other types in a block: the run-by-run proof
+        absent: set[tuple[int, int]] = set()  # (block start, column) no checkpoint row holds
+        if holes:
+            c_values = _filled(c_values, k, blocks, holes, absent)
+            if c_kinds is not None:
+                c_kinds = list(c_kinds)
+                for p in holes:
+                    c_kinds[p] = type(c_values[p])
+        c_types: list[type] = []
+        tuples: list[tuple[int, int, int]] = []  # (block start, end, column) holding tuples
+        for start, end in blocks:
+            row = c_values[start * k : (start + 1) * k]
+            if not all(map(_plain, row)):
+                return None
+            if c_values[start * k : end * k] != row * (end - start):
+                return False
+            c_types += list(map(type, row)) * (end - start)
+            tuples += [(start, end, j) for j, v in enumerate(row) if type(v) is tuple]
+        if (c_kinds if c_kinds is not None else list(map(type, c_values))) != c_types:
+            return False
+        for start, end, j in tuples:  # == says nothing of the items' types: each object once
+            column = c_values[start * k + j : end * k : k]
+            ids = set(map(id, column))
+            if len(ids) == 1:
+                continue  # one object
+            if len(ids) > 64:
+                return False
+            distinct = {id(v): v for v in column}
+            if not all(same_value(column[0], v) for v in distinct.values()):
+                return False
+        held: dict[Any, Any] = {}  # (name-free, as proven_consistent: any columns)
+        for j in range(k):
+            for start, _ in blocks:
+                if (start, j) in absent:
+                    continue
+                cv = c_values[start * k + j]
+                first = held.setdefault(_class_key(r_values[start * k + j]), cv)
+                if first is not cv and not same_value(first, cv):
+                    return False
+    except Exception:  # an exotic value (its == or hash raises): not this shape  # noqa: BLE001
+        return None
+    return True
+
+
+def _rows_like(values: list[Any], row: list[Any], k: int, start: int, rows: int) -> int:
+    """The end of the run of rows from ``start`` that equal ``row`` (galloping, then bisecting)."""
+    end, step = start, 1
+    while end < rows:
+        step = min(step, rows - end)
+        if values[end * k : (end + step) * k] == row * step:
+            end += step
+            step *= 2
+            continue
+        while step > 1:  # the first row unlike ``row`` is among the next ``step``
+            half = step // 2
+            if values[end * k : (end + half) * k] == row * half:
+                end += half
+                step -= half
+            else:
+                step = half
+        break
+    return end
 
 
 # --------------------------------------------------------------------------------------

@@ -20,27 +20,59 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from itertools import compress
 from operator import and_, attrgetter, ne
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from dsdmerge._records import Mismatch, TensorMeta
-from dsdmerge._values import KNOWN_LEAF_TYPES, leaf_codes, tensor_like
+from dsdmerge._values import KNOWN_LEAF_TYPES, KNOWN_TENSORS, run_length, tensor_like
 from dsdmerge.errors import StateDictTypeError
-from dsdmerge.layout import value_types
 
-__all__ = ["KNOWN_TENSOR_TYPES", "differs", "meta", "mismatched", "mismatches", "scan"]
+__all__ = [
+    "KNOWN_TENSOR_TYPES",
+    "Scanned",
+    "differs",
+    "meta",
+    "mismatched",
+    "mismatches",
+    "scan",
+]
 
 
 KNOWN_TENSOR_TYPES = tensor_like(KNOWN_LEAF_TYPES)
 
 
-def scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
-    """``(codes, types)``: :func:`leaf_codes` of the values, and their types (or a superset)."""
-    codes = leaf_codes(sd.values())
-    if codes is not None:
-        return codes, KNOWN_LEAF_TYPES
-    return None, value_types(sd)
+class Scanned(NamedTuple):
+    """One pass over a state dict's values: each one's type, and what follows from them.
+
+    ``kinds``: the type of each value, in order; ``types``: the distinct ones;
+    ``picked``: 1 per torch tensor and 0 per other value when every type is a
+    common leaf type (:data:`~dsdmerge._values.KNOWN_LEAF_TYPES`), else ``None``.
+    """
+
+    picked: bytes | None
+    types: set[type]
+    kinds: list[type]
+
+
+def scan(sd: Mapping[Any, Any]) -> Scanned:
+    """The :class:`Scanned` values of ``sd``: one C-level type pass.
+
+    torch writes an optimizer's state tensors first: a leading run of tensors
+    (:func:`~dsdmerge._values.run_length`, in pointer comparisons) is not looked at
+    again; the rest of the types are collected into a set, and only when tensors stand
+    among them is each type tested again.
+    """
+    kinds = list(map(type, sd.values()))
+    n = len(kinds)
+    first = run_length(kinds, torch.Tensor) if n and kinds[0] is torch.Tensor else 0
+    rest = set(kinds[first:]) if first < n else set()
+    types = rest | {torch.Tensor} if first else rest
+    if not types <= KNOWN_LEAF_TYPES:
+        return Scanned(None, types, kinds)
+    if rest.isdisjoint(KNOWN_TENSORS):
+        return Scanned(b"\x01" * first + bytes(n - first), types, kinds)
+    return Scanned(bytes(map(KNOWN_TENSORS.__contains__, kinds)), types, kinds)
 
 
 def meta(value: Any, key: str) -> TensorMeta:

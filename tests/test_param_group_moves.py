@@ -104,7 +104,8 @@ def assert_same(model, optim, other_model, other_optim):
     for (n, p), (m, q) in zip(
         model.named_parameters(), other_model.named_parameters(), strict=True
     ):
-        assert n == m and torch.equal(p, q), n
+        assert n == m
+        assert torch.equal(p, q), n
     for p, q in zip(model.parameters(), other_model.parameters(), strict=True):
         a, b = optim.state[p], other_optim.state[q]
         assert a.keys() == b.keys()
@@ -171,7 +172,7 @@ def test_a_moved_parameter_takes_its_new_groups_lr_and_the_run_goes_on_exactly(
 
 
 def test_strict_refuses_a_moved_parameter_naming_it_the_hyperparameter_and_both_values(trained):
-    old_model, _, checkpoint = trained
+    _, _, checkpoint = trained
     model = Net()
     optim = adamw(model, NEW)
     reference = get_optimizer_state_dict(model, optim, options=FLAT)

@@ -159,6 +159,57 @@ def test_proven_consistent_is_a_proof(cells, period):
                     assert same_value(c_values[i], c_values[j])
 
 
+_CELLS = [0.1, 0.2, 1, 1.0, True, float("nan"), (0.9, 0.99), (1, 2), (1.0, 2.0), "a", None]
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=5),
+    st.data(),
+)
+def test_the_block_proof_is_a_proof(k, shape, data):
+    """Rows in blocks of shared reference objects (torch's layout, where the block proof
+    runs), checkpoint values drawn to agree or not, with holes (positions the checkpoint
+    lacks): when the proof says "consistent", any two positions (but holes) whose reference
+    values are same_value hold same_value checkpoint values."""
+    from dsdmerge._groups import proven_consistent
+    from dsdmerge._values import same_value
+
+    cells = st.sampled_from(_CELLS)
+    r_values: list = []
+    c_values: list = []
+    templates = [data.draw(st.lists(cells, min_size=k, max_size=k)) for _ in range(4)]
+    for rows, which in shape:
+        r_row = templates[which]
+        c_row = data.draw(st.lists(cells, min_size=k, max_size=k))
+        for _ in range(rows):
+            r_values += r_row
+            if data.draw(st.booleans()):  # the same checkpoint objects, or copies, or others
+                c_values += c_row
+            else:
+                c_values += [copy_of(v) for v in data.draw(st.lists(cells, min_size=k, max_size=k))]
+    n = len(r_values)
+    holes = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=3)))
+    kinds = (list(map(type, r_values)), list(map(type, c_values)))  # as the engine passes them
+    if proven_consistent(
+        r_values, c_values, k, holes=holes, kinds=kinds if data.draw(st.booleans()) else None
+    ):
+        kept = [p for p in range(n) if p not in holes]
+        for p in kept:
+            for q in kept:
+                if same_value(r_values[p], r_values[q]):
+                    assert same_value(c_values[p], c_values[q]), (p, q)
+
+
+def copy_of(v):
+    """An equal value that is another object (as torch.load gives every parameter its own)."""
+    if type(v) is float:
+        return float(repr(v))
+    if type(v) is tuple:
+        return tuple(copy_of(x) for x in v)
+    return v
+
+
 def test_a_conflict_in_torch_layout_at_scale_is_found():
     """A DeepSeek-like flat optimizer in torch's layout, one member's lr changed: strict
     refuses, naming it (the quick proof fails, the exact check runs)."""
