@@ -617,7 +617,7 @@ def resolve(
     table = PgTable.of(r)
     if table is None:
         _resolve_by_keys(c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts)
-    elif not all(map(is_tensor_like, set(map(type, table.values)))):
+    elif not all(map(is_tensor_like, map(type, table.values))):  # (stops at a hyperparameter)
         _resolve_table(
             table,
             c,
@@ -829,7 +829,8 @@ def _resolve_by_keys(
     at (:func:`settle_groups`); else only backfilled keys' groups, known to agree.
     """
     r_hyper, r_keys = parse_groups(r)
-    if not any(not is_tensor_like(type(v)) for row in r_hyper.values() for v in row.values()):
+    values = (v for row in r_hyper.values() for v in row.values())
+    if all(map(is_tensor_like, map(type, values))):
         return  # a model's tensors under a "param_groups" segment: no optimizer
     inferred = groups is None
     if groups is None:

@@ -212,13 +212,18 @@ def group_items(group: object, where: str) -> list[tuple[str, Any]]:
 
 
 def holds_hyperparameters(flat: Mapping[Any, Any], prefix: str) -> bool:
-    """Whether some ``prefix + "param_groups.*"`` value of ``flat`` is not tensor-like."""
+    """Whether some ``prefix + "param_groups.<fqn>.<name>"`` value of ``flat`` is no tensor.
+
+    Keys as :func:`~dsdmerge._table.parse_groups` reads them (a dot after a non-empty fqn).
+    """
     head = prefix + PG_PREFIX
-    return any(
-        not is_tensor_like(type(v))
-        for k, v in flat.items()
-        if type(k) is str and k.startswith(head)
-    )
+    n = len(head)
+    for k, v in flat.items():
+        if type(k) is str and k.startswith(head) and not is_tensor_like(type(v)):
+            fqn, dot, _ = k[n:].rpartition(".")
+            if dot and fqn:
+                return True
+    return False
 
 
 def section_prefixes(key: str) -> list[str]:

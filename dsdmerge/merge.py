@@ -30,6 +30,7 @@ from dsdmerge.layout import (
     Layout,
     classify,
     is_optimizer_state_dict,
+    optimizer_sections,
 )
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.rename import Rules, rename_checkpoint
@@ -402,14 +403,21 @@ def _without_fresh_state(
 def _flat_without_fresh_state(
     merged: dict[Any, Any], checkpoint: Mapping[Any, Any], missing: Sequence[str]
 ) -> dict[Any, Any]:
+    """``merged`` without the backfilled ``P state.<fqn>.*`` keys of stateless parameters.
+
+    Only under the prefixes ``P`` of flattened optimizers, told by their shape
+    (:func:`~dsdmerge.layout.optimizer_sections`): a model's module named ``state`` is
+    no optimizer state.
+    """
     fqns: dict[str, set[str]] = {}  # "<prefix>state." -> the fqns of its param_groups keys
     stateful: dict[str, set[str]] = {}  # "<prefix>state." -> fqns the checkpoint has state for
+    heads = [p + STATE_PREFIX for p in optimizer_sections(merged)]
+    heads.sort(key=len, reverse=True)  # the longest first: the innermost section
     drop = []
     for key in missing:
-        at = 0 if key.startswith(STATE_PREFIX) else key.find("." + STATE_PREFIX) + 1
-        if at == 0 and not key.startswith(STATE_PREFIX):
+        head = next((h for h in heads if key.startswith(h)), None)
+        if head is None:
             continue
-        head = key[: at + len(STATE_PREFIX)]
         if head not in fqns:
             groups = head[: -len(STATE_PREFIX)] + PG_PREFIX
             known = {k[len(groups) :].rpartition(".")[0] for k in merged if k.startswith(groups)}
@@ -473,9 +481,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _optimizer_key(key: str) -> bool:
-    """Whether a flat key spells optimizer state (``state.<fqn>.<name>``, maybe under a prefix)."""
-    return key.startswith(STATE_PREFIX) or ("." + STATE_PREFIX) in key
+def _state_heads(reference: Mapping[Any, Any]) -> tuple[str, ...]:
+    """``P + "state."`` for each flattened optimizer section ``P`` of the (flattened) reference.
+
+    A key under one of them is optimizer state; told by the optimizer's shape
+    (:func:`~dsdmerge.layout.optimizer_sections`), not by a segment named ``state``.
+    """
+    flat = reference if classify(reference) is Layout.FLAT else flatten(reference)
+    return tuple(p + STATE_PREFIX for p in optimizer_sections(flat))
 
 
 def _shape_choice(value: object) -> OnShapeMismatch:
@@ -596,8 +609,9 @@ def apply_policy(
                 ),
             )
         )
-    model_shape = [m for m in shape if not _optimizer_key(m.key)]
-    state_shape = [m for m in shape if _optimizer_key(m.key)]
+    heads = _state_heads(reference) if shape and reference is not None else ()
+    state_shape = [m for m in shape if m.key.startswith(heads)] if heads else []
+    model_shape = [m for m in shape if not heads or not m.key.startswith(heads)]
     if model_shape:
         findings.append(_shape_finding(model_shape, policy, on_shape_mismatch, _REJECTS))
     if state_shape:

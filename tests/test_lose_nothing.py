@@ -284,8 +284,9 @@ def test_a_scalar_step_in_another_shape_is_no_shape_change():
 
 
 def test_shape_text_says_torch_rejects_only_model_tensors():
-    c = {"w": torch.zeros(2), "state.w.exp_avg": torch.zeros(2)}
-    r = {"w": torch.zeros(3), "state.w.exp_avg": torch.zeros(3)}
+    # (a flattened optimizer: it holds hyperparameters, see test_layout.py for models)
+    c = {"w": torch.zeros(2), "state.w.exp_avg": torch.zeros(2), "param_groups.w.lr": 0.1}
+    r = {"w": torch.zeros(3), "state.w.exp_avg": torch.zeros(3), "param_groups.w.lr": 0.1}
     with pytest.raises(dm.MergeError) as err:
         dm.merge(c, r)
     model_line, state_line = err.value.problems

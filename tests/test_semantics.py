@@ -235,3 +235,21 @@ def test_groups_in_their_own_orders_equal_the_semantics(pair, options, start, bo
     if both:
         c = rows_reordered(c, start)
     assert_same_outcome(c, r, **options)
+
+
+@given(
+    checkpoint_pairs(layout="flat", kind="model"),
+    st.sampled_from(["param_groups.", "state.", "enc.param_groups.", "x.state.", ""]),
+    OPTIONS,
+)
+def test_a_model_under_optimizer_like_segments_merges_key_by_key(pair, prefix, options):
+    """A model whose modules are named ``param_groups`` or ``state`` is a model (its values
+    are tensors, not hyperparameters): the merge is the plain key-by-key one, as the semantics
+    say, with no param-group rule on any key."""
+    c, r = ({prefix + k: v for k, v in sd.items()} for sd in pair)
+    assert_same_outcome(c, r, **options)
+    out = _semantics.outcome(c, r, merge=True, conflicts=True)
+    assert out.merged == {**r, **c}
+    assert all(out.merged[k] is v for k, v in c.items())
+    assert all(out.merged[k] is r[k] for k in r.keys() - c.keys())
+    assert out.conflicts == []
