@@ -28,10 +28,10 @@ from dsdmerge._keys import (
 )
 from dsdmerge._keys import merged as merged_dict
 from dsdmerge._records import Mismatch, Outcome, Slot
-from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan
+from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan, tied
 from dsdmerge._tensors import mismatches as tensor_mismatches
 from dsdmerge._values import MISSING, tensor_like
-from dsdmerge.layout import PG_PREFIX
+from dsdmerge.layout import PG_PREFIX, holds_hyperparameters, in_section
 
 __all__ = ["flat_pass", "run_flat"]
 
@@ -107,6 +107,7 @@ def flat_pass(
         missing,
         unexpected,
         mismatches,
+        picked=picked,
         conflicts=conflicts,
         groups=groups,
         c_at_r=lambda: values_at(c, r, runs, missing, MISSING),
@@ -152,6 +153,7 @@ def _by_union(
         missing,
         unexpected,
         mismatches,
+        picked=picked,
         conflicts=conflicts,
         groups=groups,
         conflict_free=lambda: _conflict_free(r, list(islice(joined.values(), len(r))), picked),
@@ -166,6 +168,7 @@ def _finish(
     unexpected: list[str],
     mismatches: list[Mismatch],
     *,
+    picked: bytes,
     conflicts: bool,
     groups: list[list[str]] | None,
     c_at_r: Callable[[], Iterable[Any]] | None = None,
@@ -185,6 +188,8 @@ def _finish(
             m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
             for m in mismatches
         }
+    if missing:
+        _tie(r, missing, picked, outcome)
     detect = merged is not None or conflicts
     if detect and conflict_free is not None and conflict_free():
         detect = False  # proven: no group can have members that disagree
@@ -196,6 +201,34 @@ def _finish(
     if missing or detect:
         prefixed(c, r, outcome, detect=detect, conflicts=conflicts)
     return outcome
+
+
+def _tie(r: Mapping[str, Any], missing: list[str], picked: bytes, outcome: Outcome) -> None:
+    """Missing keys whose reference tensor is a key's the checkpoint has take its tensor.
+
+    Tied weights (:func:`~dsdmerge._tensors.tied`): loading the result then writes the
+    checkpoint's tensor through both keys, whatever their order (a fresh copy would
+    overwrite the trained one). Not for a flattened optimizer's keys.
+    """
+    memo: dict[str, bool] = {}
+
+    def holds(prefix: str) -> bool:
+        if prefix not in memo:
+            memo[prefix] = holds_hyperparameters(r, prefix)
+        return memo[prefix]
+
+    pairs = tied(r, missing, picked, lambda key: not in_section(r, key, holds))
+    merged = outcome.merged
+    for key, source in pairs:
+        if merged is not None:
+            merged[key] = merged[source]
+            outcome.ties.append((key, source, partial(merged.__setitem__, key)))
+        else:
+            outcome.ties.append((key, source, _nowhere))
+
+
+def _nowhere(value: Any) -> None:
+    """Where a value of a comparison that builds nothing goes."""
 
 
 def run_flat(

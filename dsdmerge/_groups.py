@@ -1,40 +1,55 @@
 """Param groups: membership, consistent hyperparameters, backfill, moved parameters.
 
-Every rule about param groups is decided here, in one place:
+Every rule about param groups is decided here, in one place. torch's loaders give
+a whole group the hyperparameters of one member (``set_optimizer_state_dict`` of a
+flat dict reads each live group's first member; its checks read no other), so a
+merge must leave every group's members agreeing.
 
+* **Sections.** Only flattened optimizers have param groups: a prefix ``P`` whose
+  ``P param_groups.<fqn>.<name>`` values hold a hyperparameter, not only tensors
+  (:func:`~dsdmerge.layout.is_optimizer_section`). A model whose modules are named
+  ``param_groups`` is a model.
 * **Membership.** A flat state dict does not store groups. They are the
   reference's own when it was nested (*given* groups), else *inferred*: the
   parameters whose reference hyperparameters are all equal (:func:`inferred_rows`,
   :func:`equal_hyperparameters`), in order of first appearance.
-* **A backfilled hyperparameter takes its group's checkpoint value.** Flat
-  (:func:`backfill`): a ``param_groups.<fqn>.<hp>`` key the checkpoint lacks takes
-  the value the checkpoint's members of ``fqn``'s group hold (:func:`group_value`);
-  the reference's own value only when no member has one. When the members
-  disagree: with given groups the most common value, the first on a tie
-  (:func:`majority`: members moved in from another group are the minority); with
-  inferred groups no value is picked and the merge is refused (:func:`ambiguous`:
-  the inference may have joined two groups scheduled apart). Nested
-  (:func:`merge_groups`, where both sides' groups are known): a reference group
-  takes all its hyperparameters from its *home* checkpoint group
+* **Flat: one value per group and hyperparameter** (:func:`settle_groups`). For each
+  group and hyperparameter, the checkpoint values of its members, in the
+  reference's order. When they agree (:func:`group_value`), members the checkpoint
+  lacks the key for (backfilled keys) take that value; when no member has one, the
+  reference's value stays. When they *disagree* (:func:`settle`):
+
+  - a member *moved in* from another group when every hyperparameter it holds is
+    the value most of that group's members hold (:func:`moved_in`);
+  - the group takes the value most of its members hold, leaving out values only
+    moved members hold (unless every value is such), the first member's in the
+    reference's order on a tie;
+  - backfilled keys take it; so does every member holding another value when the
+    groups are given, and with inferred groups only moved members (the others may
+    be a second group the inference could not tell from this one: two groups built
+    alike and scheduled apart; they keep their values, and torch gives each real
+    group its first member's);
+  - the group is reported (:func:`disagreement`: every value held, by whom, what
+    changed): the policy's ``conflict`` action decides (default and warn warn,
+    strict raises). The merged result does not depend on that action.
+
+  A consistent checkpoint is usually proven so without finding the groups
+  (:func:`proven_consistent`); only then is the exact check skipped.
+* **Nested** (:func:`merge_groups`, where both sides' groups are known): a reference
+  group takes all its hyperparameters from its *home* checkpoint group
   (:func:`home_group`: the one at the same position when some member comes from it,
   as ``Optimizer.load_state_dict`` pairs groups, else the one most members come
-  from), and the reference's values for names that group lacks.
-* **Consistency.** Checkpoint members of one group that disagree on a
-  hyperparameter are a *conflict* (torch silently keeps the first member's value
-  for the whole group): :func:`conflict` names them. A consistent checkpoint is
-  usually proven so without finding the groups (:func:`proven_consistent`).
-  Nested, a member in another
-  checkpoint group than its reference group's home group has *moved*, and takes
-  its new group's hyperparameters.
+  from), and the reference's values for names that group lacks. A member in
+  another checkpoint group has *moved*: it takes its new group's hyperparameters,
+  reported (naming each one that changes, old -> new) as a conflict.
 * **Int-keyed optimizers** map parameters by position: their group counts and
   sizes must agree (:func:`merge_groups` reports it as a problem, a refusal).
 
 How: the flat rules run on columns of a :class:`~dsdmerge._table.PgTable` when the
 reference's keys have torch's shape (identity bit masks against a few template
-rows; conflicts by column with ``is`` before value equality), else key by key
-(:func:`_resolve_by_keys`); both give the same results. Flattened optimizers
-under a prefix (``optim.param_groups.*`` in a flattened whole checkpoint) get the
-same treatment (:func:`prefixed`).
+rows), else key by key (:func:`_resolve_by_keys`); both give the same results.
+Flattened optimizers under a prefix (``optim.param_groups.*`` in a flattened whole
+checkpoint) get the same treatment (:func:`prefixed`).
 """
 
 from __future__ import annotations

@@ -311,6 +311,12 @@ class KeyDiff:
             layer). Never applied by themselves; empty when none.
         resized: The tensors a merge with ``on_shape_mismatch="resize"`` resized
             (:class:`~dsdmerge.Resized`); empty otherwise.
+        tied: Missing keys whose reference tensor is the very tensor of a key the
+            checkpoint has (tied weights: a ``save_pretrained`` checkpoint omits
+            ``lm_head.weight`` tied to the embedding), as ``(missing key, that
+            key)`` pairs in reference order: a merge gives each the checkpoint's
+            tensor of that key, so that loading keeps the tie. They are still in
+            :attr:`missing`.
 
     ``bool(diff)`` is ``False`` iff missing, unexpected, mismatched and changed
     are all empty; ``str(diff)`` is a readable report.
@@ -328,12 +334,13 @@ class KeyDiff:
     changed: tuple[Changed, ...] = ()
     renames: tuple[SuggestedRename, ...] = ()
     resized: tuple[Resized, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched or self.changed)
 
     def __repr__(self) -> str:
-        # changed, renames and resized only when there are some (the three lists always)
+        # changed, renames, resized and tied only when there are some (the three lists always)
         fields: list[tuple[str, tuple[Any, ...]]] = [
             ("missing", self.missing),
             ("unexpected", self.unexpected),
@@ -345,6 +352,7 @@ class KeyDiff:
                 ("changed", self.changed),
                 ("renames", self.renames),
                 ("resized", self.resized),
+                ("tied", self.tied),
             )
             if v
         ]
@@ -387,6 +395,8 @@ class KeyDiff:
         }
         if self.changed:
             out["changed"] = [c.to_dict() for c in self.changed]
+        if self.tied:
+            out["tied"] = [{"key": key, "takes": source} for key, source in self.tied]
         return out
 
 
@@ -421,3 +431,5 @@ class Outcome:
     problems: list[str] = dataclasses.field(default_factory=list)
     # mismatch key -> its place in ``merged``: call it to put the reference's value there
     take_reference: dict[str, Slot] = dataclasses.field(default_factory=dict)
+    # tied missing keys: (key, the checkpoint key whose tensor it took, where it sits)
+    ties: list[tuple[str, str, Callable[[Any], None]]] = dataclasses.field(default_factory=list)

@@ -17,13 +17,23 @@ over a nested reference, which is flattened first):
 2. A key both sides have whose two values are tensor-like, distinct objects and
    differ in shape or dtype is *mismatched* (in the reference's order).
 3. The merged dict is the checkpoint's items in its order (unexpected ones only
-   when kept), then each missing key with the reference's value.
+   when kept), then each missing key with the reference's value; but a missing key
+   whose reference tensor is the very tensor of a key the checkpoint has (tied
+   weights: :func:`dsdmerge._tensors.same_view`, neither key a flattened
+   optimizer's) takes that key's checkpoint value, and is *tied* to it.
 4. Then the param-group rules of :mod:`dsdmerge._groups`, per flattened
-   optimizer (the top level, and each prefix ``P`` of a key
-   ``P + "param_groups." + ...`` that is missing, or, when looking for conflicts,
-   that the checkpoint has): a missing ``param_groups.<fqn>.<hp>`` key takes the
-   value its group's checkpoint members hold (see :func:`dsdmerge._groups.backfill`);
-   members of a group whose checkpoint values disagree are conflicts.
+   optimizer: the top level and each prefix ``P`` of a key ``P + "param_groups." +
+   ...`` that is missing or (when merging or looking for conflicts) that the
+   checkpoint has, each only when it is an optimizer's section of the reference
+   (:func:`dsdmerge.layout.is_optimizer_section`: some hyperparameter, not only
+   tensors, and inside no other section). Per group (given when the reference was
+   nested, at the top level; else inferred) and hyperparameter, in the group's key
+   order: when its members' checkpoint values agree, a missing
+   ``param_groups.<fqn>.<hp>`` key takes that value; when they disagree (looked at
+   only when merging or looking for conflicts), :func:`dsdmerge._groups.settle`
+   picks the group's value, the missing keys and the members
+   :meth:`~dsdmerge._groups.Settled.rewritten` take it, and one conflict line
+   (:func:`dsdmerge._groups.disagreement`) reports the group.
 
 Nested state dicts (both nested): the reference drives a recursive walk
 (:func:`_tree`): a key only the reference has is backfilled (its flat keys
@@ -51,7 +61,7 @@ from dsdmerge._groups import (
     settle,
 )
 from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
-from dsdmerge._tensors import differs
+from dsdmerge._tensors import differs, same_view
 from dsdmerge._trees import copy_tree, flat_keys, flatten
 from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str
 from dsdmerge.errors import LayoutError
@@ -63,6 +73,7 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     classify,
+    in_section,
     is_optimizer_section,
     is_optimizer_state_dict,
     section_prefixes,
@@ -96,6 +107,7 @@ def outcome(
             walk.conflicts,
             walk.problems,
             walk.slots,
+            walk.ties,
         )
     if c_nested and merge:
         raise LayoutError("the checkpoint is nested but the reference is flat")
@@ -150,6 +162,19 @@ def flat(
     if merged is not None:
         for m in mismatches:
             out.take_reference[m.key] = Slot(partial(merged.__setitem__, m.key), c[m.key], r[m.key])
+    # rule 3b: a missing key whose reference tensor is the very tensor (same_view) of a key the
+    # checkpoint has, the first in reference order, takes that key's value (neither of them a
+    # flattened optimizer's key)
+    for k in missing:
+        if in_section(r, k):
+            continue
+        for k2, v2 in r.items():
+            if k2 in c and not in_section(r, k2) and same_view(r[k], v2):
+                put = _nowhere if merged is None else partial(merged.__setitem__, k)
+                if merged is not None:
+                    merged[k] = merged[k2]
+                out.ties.append((k, k2, put))
+                break
     # rule 4: the top level's param groups (given when the reference was nested), then each
     # flattened optimizer under a prefix (inferred), in order of first appearance
     look = merge or conflicts
@@ -184,6 +209,7 @@ def flat(
             Mismatch(key_prefix + m.key, m.checkpoint, m.reference) for m in out.mismatches
         ]
         out.take_reference = {key_prefix + k: s for k, s in out.take_reference.items()}
+        out.ties = [(key_prefix + k, key_prefix + k2, put) for k, k2, put in out.ties]
     return out
 
 
@@ -274,6 +300,10 @@ def _param_groups(
     return values, lines
 
 
+def _nowhere(value: Any) -> None:
+    """Where a tied value of a comparison that builds nothing goes."""
+
+
 # --------------------------------------------------------------------------------------
 # nested
 
@@ -298,6 +328,7 @@ class _Walk:
         self.conflicts: list[str] = []
         self.problems: list[str] = []
         self.slots: dict[str, Slot] = {}
+        self.ties: list[tuple[str, str, Any]] = []
         self.flat_unexpected: dict[int, list[str]] = {}  # id of a flat sub-dict -> its keys
 
     def merge(self, c: Mapping[Any, Any], r: Mapping[Any, Any]) -> dict[Any, Any]:
@@ -346,6 +377,7 @@ class _Walk:
         self.missing += sub.missing
         self.mismatches += sub.mismatches
         self.slots.update(sub.take_reference)
+        self.ties += sub.ties
         self.conflicts += [f"{key!r}: {line}" for line in sub.conflicts]
         self.problems += [f"{key!r}: {line}" for line in sub.problems]
         self.flat_unexpected[id(c)] = sub.unexpected

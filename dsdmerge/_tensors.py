@@ -17,7 +17,7 @@ Tensors whose ``.shape`` raises are compared pair by pair.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import compress
 from operator import and_, attrgetter, ne
 from typing import Any, NamedTuple
@@ -35,7 +35,9 @@ __all__ = [
     "meta",
     "mismatched",
     "mismatches",
+    "same_view",
     "scan",
+    "tied",
 ]
 
 
@@ -169,3 +171,67 @@ def mismatches(
         where = key_prefix + r_keys[i]
         out.append(Mismatch(r_keys[i], meta(u_vals[i], where), meta(r_vals[i], where)))
     return out
+
+
+# --------------------------------------------------------------------------------------
+# tied weights
+
+
+def _real(value: Any) -> bool:
+    """A plain torch tensor with memory (not meta, not empty, strided): one that can be tied."""
+    return (
+        type(value) in KNOWN_TENSORS
+        and value.layout == torch.strided
+        and not value.is_meta
+        and value.numel() > 0
+    )
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether two plain tensors are views of the same memory in the same way (tied weights)."""
+    return (
+        _real(a)
+        and _real(b)
+        and a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def tied(
+    r: Mapping[str, Any],
+    missing: list[str],
+    picked: bytes,
+    tieable: Callable[[str], bool],
+) -> list[tuple[str, str]]:
+    """``(missing key, key)`` pairs: a missing key's reference tensor is a key's the checkpoint has.
+
+    Tied weights: a model whose ``lm_head.weight`` is its ``embed.weight`` holds one
+    tensor under both keys, and a ``save_pretrained`` checkpoint keeps one of them.
+    The first such key in reference order, among keys ``tieable`` accepts (not an
+    optimizer's), for each missing key with memory (:func:`same_view`). How: the
+    data pointers of the missing tensors first; the reference's other tensors are
+    looked at only when some missing one can be tied.
+    """
+    wanted: dict[int, list[str]] = {}
+    for key in missing:
+        t = r[key]
+        if _real(t) and tieable(key):
+            wanted.setdefault(t.data_ptr(), []).append(key)
+    if not wanted:
+        return []
+    lost = set(missing)
+    found: dict[str, str] = {}
+    keys = list(compress(r, picked))
+    values = list(compress(r.values(), picked))
+    plain = bytes(map(KNOWN_TENSORS.__contains__, map(type, values)))
+    for key, t in zip(compress(keys, plain), compress(values, plain), strict=True):
+        at = wanted.get(t.data_ptr())
+        if at is None or key in lost or not tieable(key):
+            continue
+        for m in at:
+            if m not in found and same_view(r[m], t):
+                found[m] = key
+    return [(m, found[m]) for m in missing if m in found]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping
+from itertools import compress, repeat
 from typing import Any
 
 from dsdmerge._text import short_repr
@@ -218,8 +219,14 @@ def holds_hyperparameters(flat: Mapping[Any, Any], prefix: str) -> bool:
     """
     head = prefix + PG_PREFIX
     n = len(head)
-    for k, v in flat.items():
-        if type(k) is str and k.startswith(head) and not is_tensor_like(type(v)):
+    try:  # the keys under the head picked in a C-level pass (str keys: flat state dicts')
+        pairs: Iterable[tuple[Any, Any]] = list(
+            compress(flat.items(), map(str.startswith, flat, repeat(head)))
+        )
+    except TypeError:  # a key that is no str
+        pairs = ((k, v) for k, v in flat.items() if type(k) is str and k.startswith(head))
+    for k, v in pairs:
+        if not is_tensor_like(type(v)):
             fqn, dot, _ = k[n:].rpartition(".")
             if dot and fqn:
                 return True
@@ -271,6 +278,17 @@ def is_optimizer_section(
     return test(prefix) and not any(
         is_optimizer_section(flat, q, test) for q in _containers(prefix)
     )
+
+
+def in_section(
+    flat: Mapping[Any, Any], key: str, holds: Callable[[str], bool] | None = None
+) -> bool:
+    """Whether ``key`` is a flattened optimizer's (under a section's state or param groups).
+
+    ``P + "state." + ...`` or ``P + "param_groups." + ...`` of a section ``P``
+    (:func:`is_optimizer_section`; ``holds`` as there).
+    """
+    return any(is_optimizer_section(flat, q, holds) for q in _containers(key))
 
 
 def optimizer_sections(

@@ -329,15 +329,21 @@ def merge_resolved(
         reference=reference,
     )
     resized: list[Resized] = []
+    put: dict[str, Any] = {}  # what each reshaped key holds now
     for m in diff.mismatched:
         if not reshaped(m):  # a 0-d against a 1-element tensor keeps the checkpoint's
             continue
         slot = outcome.take_reference[m.key]
         if shapes == "resize":  # each new tensor is made once, here
-            slot.put(resize(slot.checkpoint, slot.reference))
+            put[m.key] = resize(slot.checkpoint, slot.reference)
+            slot.put(put[m.key])
             resized.append(Resized.from_mismatch(m))
         else:  # not raised: torch would reject the checkpoint's tensor
+            put[m.key] = slot.reference
             slot()
+    for _, source, put_tied in outcome.ties:  # a tied key holds what its key holds
+        if source in put:
+            put_tied(put[source])
     if resized:
         diff = dataclasses.replace(diff, resized=tuple(resized))
     assert outcome.merged is not None
@@ -561,16 +567,19 @@ def apply_policy(
     resized); ``renames``: the suggested renames, for the diff and the messages;
     ``reference``: to tell a checkpoint that shares no key with it.
     """
+    tied = tuple((key, source) for key, source, _ in outcome.ties)
     diff = KeyDiff(
         tuple(outcome.missing),
         tuple(outcome.unexpected),
         tuple(outcome.mismatches),
         renames=renames,
+        tied=tied,
     )
     conflicts = tuple(outcome.conflicts)
     allowed_missing = matcher(policy.allow_missing)
     allowed_unexpected = matcher(policy.allow_unexpected)
-    missing = [k for k in diff.missing if not allowed_missing(k)]
+    tied_keys = {key for key, _ in tied}
+    missing = [k for k in diff.missing if not allowed_missing(k) and k not in tied_keys]
     unexpected = [k for k in diff.unexpected if not allowed_unexpected(k)]
     shape = [m for m in diff.mismatched if reshaped(m)]
     dtype = [m for m in diff.mismatched if m.dtype_differs and not reshaped(m)]
@@ -596,6 +605,10 @@ def apply_policy(
                 ),
             )
         )
+    shown_ties = [(key, source) for key, source in tied if not allowed_missing(key)]
+    if shown_ties:  # never refused: nothing is lost or taken from the reference
+        action: Action = "warn" if policy.missing == "raise" else policy.missing
+        findings.append((action, _tied_line(shown_ties)))
     if unexpected:
         fate = "dropped" if policy.drop_unexpected else "kept"
         findings.append(
@@ -761,6 +774,16 @@ def _nothing_shared(diff: KeyDiff) -> str:
     else:
         text += " (is it the checkpoint of another model, or another part of it?)"
     return text + ". To merge anyway, allow-list every key (allow_missing, allow_unexpected)."
+
+
+def _tied_line(ties: Sequence[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{key!r} takes {source!r}" for key, source in ties[:5])
+    more = f" and {len(ties) - 5} more" if len(ties) > 5 else ""
+    return (
+        f"{len(ties)} key(s) missing from the checkpoint are tied in the reference (one "
+        f"tensor) to a key the checkpoint has, and take its tensor so that loading keeps the "
+        f"tie: {shown}{more}; pass allow_missing=[<glob>, ...] to accept them silently."
+    )
 
 
 def _keys_line(action: Action, keys: Sequence[str], what: str, allow: str) -> str:

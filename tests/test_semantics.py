@@ -253,3 +253,33 @@ def test_a_model_under_optimizer_like_segments_merges_key_by_key(pair, prefix, o
     assert all(out.merged[k] is v for k, v in c.items())
     assert all(out.merged[k] is r[k] for k in r.keys() - c.keys())
     assert out.conflicts == []
+
+
+@given(
+    st.one_of(
+        checkpoint_pairs(layout="flat", kind="model", min_missing=1),
+        checkpoint_pairs(layout="nested", kind="model", min_missing=1),
+    ),
+    st.integers(0, 2**32 - 1),
+    OPTIONS,
+)
+def test_tied_weights_equal_the_semantics(pair, seed, options):
+    """A reference holding one tensor under a missing key and a key the checkpoint has (tied
+    weights): the engine ties them as the semantics say, and the missing key takes the
+    checkpoint's tensor of the other."""
+    c, r = pair
+    rng = random.Random(seed)
+    flat_c, flat_r = (sd.get("model", sd) for sd in (c, r))
+    missing = [k for k in flat_r if k not in flat_c]
+    present = [k for k in flat_r if k in flat_c]
+    if not present:
+        return
+    key, twin = rng.choice(missing), rng.choice(present)
+    tied_r = {k: flat_r[twin] if k == key else v for k, v in flat_r.items()}
+    r = {"model": tied_r} if "model" in r else tied_r
+    assert_same_outcome(c, r, **options)
+    out = dm.merge_with_diff(c, r, policy=dm.DEFAULT.replace(shape="ignore"))
+    prefix = "model." if "model" in r else ""
+    assert (prefix + key, prefix + twin) in out.diff.tied
+    merged = out.state_dict["model"] if prefix else out.state_dict
+    assert merged[key] is merged[twin]
