@@ -98,11 +98,14 @@ def merge(
             policy's ``shape`` action says; every built-in policy raises),
             ``"take_reference"`` (the reference's tensor, with a warning: the
             trained values are dropped) or ``"resize"`` (same rank only: a new
-            tensor with the reference's shape, dtype and device holding the
+            tensor with the reference's shape and device holding the
             checkpoint's overlapping leading slice and the reference's values
             elsewhere, for the weight and for every optimizer state tensor of
             it whose shape differs; ``step`` and other scalars stay the
-            checkpoint's). Resizes are reported in ``KeyDiff.resized``.
+            checkpoint's). Resizes are reported in ``KeyDiff.resized``. A resized
+            tensor has the checkpoint's dtype (the reference's values cast into
+            it), and a dtype that differs is handled as the policy's ``dtype``
+            action says, as for any dtype mismatch.
         fresh: ``"reference"`` backfills the optimizer state of a parameter the
             checkpoint has no state for from the reference (for DSD's reference:
             its zero-gradient step, Adam ``step == 1``); ``"as_fresh"`` leaves it
@@ -334,8 +337,8 @@ def merge_resolved(
         if not reshaped(m):  # a 0-d against a 1-element tensor keeps the checkpoint's
             continue
         slot = outcome.take_reference[m.key]
-        if shapes == "resize":  # each new tensor is made once, here
-            put[m.key] = resize(slot.checkpoint, slot.reference)
+        if shapes == "resize":  # each new tensor is made once, here, in the checkpoint's dtype
+            put[m.key] = resize(slot.checkpoint, slot.reference, dtype=slot.checkpoint.dtype)
             slot.put(put[m.key])
             resized.append(Resized.from_mismatch(m))
         else:  # not raised: torch would reject the checkpoint's tensor
@@ -582,7 +585,12 @@ def apply_policy(
     missing = [k for k in diff.missing if not allowed_missing(k) and k not in tied_keys]
     unexpected = [k for k in diff.unexpected if not allowed_unexpected(k)]
     shape = [m for m in diff.mismatched if reshaped(m)]
-    dtype = [m for m in diff.mismatched if m.dtype_differs and not reshaped(m)]
+    # a resized tensor keeps the checkpoint's dtype, as any kept tensor does: the dtype rule
+    dtype = [
+        m
+        for m in diff.mismatched
+        if m.dtype_differs and (not reshaped(m) or on_shape_mismatch == "resize")
+    ]
     findings: list[tuple[Action, str]] = list(extra)
     if (
         reference is not None
@@ -607,8 +615,8 @@ def apply_policy(
         )
     shown_ties = [(key, source) for key, source in tied if not allowed_missing(key)]
     if shown_ties:  # never refused: nothing is lost or taken from the reference
-        action: Action = "warn" if policy.missing == "raise" else policy.missing
-        findings.append((action, _tied_line(shown_ties)))
+        said: Action = "warn" if policy.missing == "raise" else policy.missing
+        findings.append((said, _tied_line(shown_ties)))
     if unexpected:
         fate = "dropped" if policy.drop_unexpected else "kept"
         findings.append(
@@ -629,15 +637,33 @@ def apply_policy(
         findings.append(_shape_finding(model_shape, policy, on_shape_mismatch, _REJECTS))
     if state_shape:
         findings.append(_shape_finding(state_shape, policy, on_shape_mismatch, _STATE_SHAPE))
-    if dtype:
+    lossy = [m for m in dtype if _drops_imaginary(m, resized=reshaped(m))]
+    plain = [m for m in dtype if m not in lossy]
+    if plain:
         findings.append(
             (
                 policy.dtype,
                 _mismatch_line(
                     policy.dtype,
-                    dtype,
+                    plain,
                     "dtype",
-                    "the checkpoint's tensors are kept and torch casts them on load",
+                    "the checkpoint's dtypes are kept (resized tensors too) and torch casts "
+                    "them on load",
+                ),
+            )
+        )
+    if lossy:  # never silent: a warning at least
+        loud: Action = "warn" if policy.dtype == "ignore" else policy.dtype
+        findings.append(
+            (
+                loud,
+                _mismatch_line(
+                    loud,
+                    lossy,
+                    "dtype",
+                    "complex and real: the checkpoint's dtypes are kept (resized tensors too), "
+                    "and the cast to the real dtype (torch's on load, or a resize's of the "
+                    "reference's values) drops the imaginary part",
                 ),
             )
         )
@@ -713,6 +739,20 @@ def _shape_finding(
         if policy.shape == "raise"
         else f"{consequence}, so the reference's were taken",
     )
+
+
+def _drops_imaginary(m: Mismatch, *, resized: bool) -> bool:
+    """Whether keeping the checkpoint's dtype ends in a cast from complex to real.
+
+    On load, a complex checkpoint tensor into a real parameter; in a resize, the
+    reference's complex values into a real checkpoint dtype.
+    """
+    c, r = _is_complex(m.checkpoint.dtype), _is_complex(m.reference.dtype)
+    return (c and not r) or (resized and r and not c)
+
+
+def _is_complex(dtype: Any) -> bool:
+    return bool(getattr(dtype, "is_complex", False))
 
 
 def _shares_nothing(diff: KeyDiff, reference: Mapping[Any, Any]) -> bool:
