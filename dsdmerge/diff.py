@@ -84,6 +84,7 @@ def diff(
         tuple(outcome.mismatches),
         tuple(changed),
         suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
+        tied=tuple((key, source) for key, source, _ in outcome.ties),
     )
 
 

@@ -255,6 +255,22 @@ def test_idempotence(pair, drop):
     assert same_tree(dm.merge(once, r, policy=policy), once)
 
 
+@given(pairs, st.sampled_from(["ignore", "warn"]), st.booleans())
+def test_what_a_merge_returns_does_not_depend_on_the_conflict_action(pair, action, strict):
+    """The conflict action says whether to go on quietly, warn or raise; the groups are
+    settled the same way whatever it says (and strict, when it accepts, merges the same)."""
+    c, r = pair
+    quiet = dm.merge(c, r, policy=MERGING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = dm.merge(c, r, policy=MERGING.replace(conflict=action))
+        assert same_tree(out, quiet)
+        if strict:
+            everything = dm.STRICT.replace(allow_missing="*", allow_unexpected="*", shape="ignore")
+            with contextlib.suppress(dm.MergeError):  # (refused: members disagree)
+                assert same_tree(dm.merge(c, r, policy=everything.replace(dtype="ignore")), quiet)
+
+
 @given(pairs)
 def test_merging_a_state_dict_over_itself_gives_it_back(pair):
     for sd in pair:
