@@ -3,10 +3,12 @@
 What it computes (the plain definition is :mod:`dsdmerge._semantics`): the keys
 missing from the checkpoint and unexpected in it (:mod:`dsdmerge._keys`), the tensor
 pairs that differ in shape or dtype (:mod:`dsdmerge._tensors`), and, when merging,
-``{**reference, **checkpoint}`` in the checkpoint's key order with each backfilled
-``param_groups.*`` key given its group's checkpoint value and group conflicts found
-(:mod:`dsdmerge._groups`). Every key is touched a small constant number of times,
-with no Python frame per key in the common case.
+``{**reference, **checkpoint}`` in the checkpoint's key order, with each missing key
+tied to a checkpoint key given its tensor (:func:`~dsdmerge._tensors.tied`) and every
+param group settled: backfilled ``param_groups.*`` keys given their group's checkpoint
+value, moved members their new group's, conflicts found (:mod:`dsdmerge._groups`;
+first the quick proof that no group can disagree). Every key is touched a small
+constant number of times, with no Python frame per key in the common case.
 """
 
 from __future__ import annotations

@@ -227,11 +227,20 @@ def tied(
     keys = list(compress(r, picked))
     values = list(compress(r.values(), picked))
     plain = bytes(map(KNOWN_TENSORS.__contains__, map(type, values)))
-    for key, t in zip(compress(keys, plain), compress(values, plain), strict=True):
-        at = wanted.get(t.data_ptr())
-        if at is None or key in lost or not tieable(key):
+    keys, values = list(compress(keys, plain)), list(compress(values, plain))
+    try:  # every pointer in one C-level pass
+        ptrs = list(map(torch.Tensor.data_ptr, values))
+    except RuntimeError:  # a tensor without storage (sparse): one by one
+        ptrs = [t.data_ptr() if _real(t) else -1 for t in values]
+    near = bytes(map(wanted.__contains__, ptrs))
+    n_wanted = sum(map(len, wanted.values()))
+    close = zip(compress(keys, near), compress(values, near), compress(ptrs, near), strict=True)
+    for key, t, ptr in close:
+        if key in lost or not tieable(key):
             continue
-        for m in at:
+        for m in wanted[ptr]:
             if m not in found and same_view(r[m], t):
                 found[m] = key
+        if len(found) == n_wanted:
+            break
     return [(m, found[m]) for m in missing if m in found]

@@ -77,10 +77,13 @@ def merge(
     Every checkpoint value is kept by identity; every key only the reference
     has is backfilled from it (a backfilled ``param_groups.<fqn>.<hp>`` takes
     the value the checkpoint has for the other members of that parameter's
-    group, so a new parameter does not reset the scheduled learning rate);
-    differences are handled by ``policy`` (see :mod:`dsdmerge.policy`). Does not
-    modify its inputs; leaves are shared, never copied, except the new tensors
-    of ``on_shape_mismatch="resize"``.
+    group, so a new parameter does not reset the scheduled learning rate; a key
+    tied in the reference to one the checkpoint has takes that key's tensor).
+    Each param group's members end up agreeing on every hyperparameter, as
+    torch's loaders need: a parameter moved to another group takes its new
+    group's values (see :mod:`dsdmerge.policy` for the rule). Differences are
+    handled by ``policy``. Does not modify its inputs; leaves are shared, never
+    copied, except the new tensors of ``on_shape_mismatch="resize"``.
 
     Args:
         checkpoint: The state dict you loaded (flat or nested).

@@ -40,7 +40,6 @@ are settled, moved parameters found and tied keys told: :mod:`dsdmerge._groups`,
 :func:`dsdmerge._tensors.tied`.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
