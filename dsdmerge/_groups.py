@@ -102,7 +102,9 @@ __all__ = [
     "proven_consistent",
     "resolve",
     "settle",
+    "settle_all",
     "settle_groups",
+    "value_classes",
     "twice",
 ]
 
@@ -163,7 +165,8 @@ class Settled(NamedTuple):
     each distinct value, in order of first holder; ``values``: one value per class
     (its first holder's object); ``moved``: per class, whether every holder moved in
     from another group; ``chosen``: the class whose value the group takes;
-    ``movers``: the members of the other classes that moved in.
+    ``movers``: the members of the other classes that moved in; ``changed``, once
+    the whole merge is settled (:func:`settle_all`): the members whose value changed.
     """
 
     classes: list[list[int]]
@@ -171,6 +174,7 @@ class Settled(NamedTuple):
     moved: list[bool]
     chosen: int
     movers: frozenset[int]
+    changed: frozenset[int] | None = None
 
     @property
     def value(self) -> Any:
@@ -187,17 +191,15 @@ class Settled(NamedTuple):
         groups only those that moved in (evident: their values are another group's),
         since the others may be a second group the inference could not tell apart.
         """
+        if self.changed is not None:
+            return sorted(self.changed)
         return [at for at in self.others() if not inferred or at in self.movers]
 
 
-def settle(values: list[Any], moved: Callable[[int], bool]) -> Settled:
-    """Settle a param group's checkpoint values for one hyperparameter, when they disagree.
+def value_classes(values: list[Any]) -> tuple[list[list[int]], list[Any]]:
+    """The positions holding each distinct present value, and each one's first holder's value.
 
-    ``values``: each member's checkpoint value, in the reference's member order
-    (``MISSING`` where the checkpoint has none); ``moved(at)``: whether member ``at``
-    moved in from another group (:func:`moved_in`). The group takes the value most of
-    its members hold, leaving out values only moved members hold (unless every value
-    is such); the first member's on a tie.
+    Distinct as :func:`~dsdmerge._values.same_value` says, in order of first holder.
     """
     classes: list[list[int]] = []
     reps: list[Any] = []
@@ -212,6 +214,24 @@ def settle(values: list[Any], moved: Callable[[int], bool]) -> Settled:
             reps.append(v)
             classes.append([])
         classes[i].append(at)
+    return classes, reps
+
+
+def settle(
+    values: list[Any],
+    moved: Callable[[int], bool],
+    classes: tuple[list[list[int]], list[Any]] | None = None,
+) -> Settled:
+    """Settle a param group's checkpoint values for one hyperparameter, when they disagree.
+
+    ``values``: each member's checkpoint value, in the reference's member order
+    (``MISSING`` where the checkpoint has none); ``moved(at)``: whether member ``at``
+    moved in from another group (:func:`moved_in`); ``classes``: the
+    :func:`value_classes` of ``values``, if known. The group takes the value most of
+    its members hold, leaving out values only moved members hold (unless every value
+    is such); the first member's on a tie.
+    """
+    by_value, reps = value_classes(values) if classes is None else classes
     known: dict[int, bool] = {}
 
     def is_moved(at: int) -> bool:
@@ -219,13 +239,109 @@ def settle(values: list[Any], moved: Callable[[int], bool]) -> Settled:
             known[at] = moved(at)
         return known[at]
 
-    all_moved = [all(map(is_moved, ats)) for ats in classes]  # (stops at a member that stayed)
+    all_moved = [all(map(is_moved, ats)) for ats in by_value]  # (stops at one that stayed)
     pool = [i for i in range(len(reps)) if not all_moved[i]] or list(range(len(reps)))
-    chosen = max(pool, key=lambda i: len(classes[i]))  # max keeps the first of equal counts
+    chosen = max(pool, key=lambda i: len(by_value[i]))  # max keeps the first of equal counts
     movers = frozenset(
-        at for i, ats in enumerate(classes) if i != chosen for at in ats if is_moved(at)
+        at for i, ats in enumerate(by_value) if i != chosen for at in ats if is_moved(at)
     )
-    return Settled(classes, reps, all_moved, chosen, movers)
+    return Settled(by_value, reps, all_moved, chosen, movers)
+
+
+def settle_all(
+    held: Mapping[tuple[int, str], list[Any]],
+    agreed: Mapping[tuple[int, str], Any],
+    names: list[list[str]],
+    fillable: Mapping[tuple[int, str], list[int]],
+    *,
+    inferred: bool,
+) -> dict[tuple[int, str], tuple[Settled, list[Any]]]:
+    """Every group and hyperparameter whose members disagree, settled: the report and values.
+
+    ``held``: each (group, name)'s member values; ``agreed``: its :func:`group_value`;
+    ``names``: each group's hyperparameters; ``fillable``: the members whose key the
+    checkpoint lacks (and the reference has). Rounds of :func:`settle` until nothing
+    changes, each on what the rounds before wrote (so that merging the result again
+    changes nothing): whether a member moved in is told against each other group's
+    usual values (the value its members agree on, else the one most of them hold);
+    the members lacking a value take the group's, and so do those
+    :meth:`Settled.rewritten` gives. Returns, per (group, name) that disagreed, the
+    report (the checkpoint's classes, the value taken, who moved in, who changed)
+    and every member's value after the merge.
+    """
+    torn = [place for place, value in agreed.items() if value is DISAGREE]
+    if not torn:
+        return {}
+    work = {place: list(held[place]) for place in torn}
+    groups = {index for index, _ in torn}
+    for place, value in agreed.items():  # their groups' other values, backfilled as the merge does
+        if place[0] in groups and value is not DISAGREE:
+            work[place] = list(held[place])
+            if value is not MISSING:
+                for at in fillable.get(place, []):
+                    work[place][at] = value
+    moved_in_any: dict[tuple[int, str], set[int]] = {place: set() for place in torn}
+    chosen: dict[tuple[int, str], Any] = {}
+    for _ in range(2 * len(names) + 2):  # (a guard: rounds stop when nothing changes)
+        usual: list[dict[str, Any]] = [{} for _ in names]
+        for (index, name), value in agreed.items():
+            if value is DISAGREE:
+                now = group_value(work[index, name])
+                usual[index][name] = majority(work[index, name]) if now is DISAGREE else now
+            elif value is not MISSING:
+                usual[index][name] = value
+        writes: list[tuple[tuple[int, str], list[int], Any]] = []
+        for index, name in torn:
+            values = work[index, name]
+            now = group_value(values)
+            if now is not DISAGREE:  # settled by an earlier round
+                chosen[index, name] = now
+                writes.append(((index, name), fillable.get((index, name), []), now))
+                continue
+            others = usual[:index] + usual[index + 1 :]
+            rows = {n: work[index, n] for n in names[index]}
+            settled = settle(values, partial(_moved_member, rows, others))
+            moved_in_any[index, name] |= settled.movers
+            chosen[index, name] = settled.value
+            ats = fillable.get((index, name), []) + settled.rewritten(inferred=inferred)
+            writes.append(((index, name), ats, settled.value))
+        changed = False
+        for place, ats, value in writes:
+            values = work[place]
+            for at in ats:
+                if values[at] is not value:
+                    values[at] = value
+                    changed = True
+        if not changed:
+            break
+    out: dict[tuple[int, str], tuple[Settled, list[Any]]] = {}
+    for place in torn:
+        original, final = held[place], work[place]
+        classes, reps = value_classes(original)
+        key = _class_key(chosen[place])
+        pick = next((i for i, v in enumerate(reps) if _class_key(v) == key), 0)
+        movers = moved_in_any[place]
+        changed_at = frozenset(
+            at
+            for at, (was, now) in enumerate(zip(original, final, strict=True))
+            if was is not MISSING and now is not was and not same_value(was, now)
+        )
+        report = Settled(
+            classes,
+            reps,
+            [all(at in movers for at in ats) for ats in classes],
+            pick,
+            frozenset(movers),
+            changed_at,
+        )
+        out[place] = (report, final)
+    return out
+
+
+def _moved_member(rows: Mapping[str, list[Any]], others: list[dict[str, Any]], at: int) -> bool:
+    """:func:`moved_in` for member ``at`` of a group (``rows``: its values, per name)."""
+    pairs = ((name, values[at]) for name, values in rows.items())
+    return moved_in([(n, v) for n, v in pairs if v is not MISSING], others)
 
 
 def majority(values: list[Any]) -> Any:
@@ -733,15 +849,22 @@ def settle_groups(
     merged = outcome.merged
     agreed: dict[tuple[int, str], Any] = {}
     held: dict[tuple[int, str], list[Any]] = {}
-    usual: list[dict[str, Any]] = [{} for _ in members]  # per group: its majority values
-    for index in range(len(members)):
-        for name in names_of(index):
+    names = [names_of(index) for index in range(len(members))]
+    for index, group_names in enumerate(names):
+        for name in group_names:
             values = held[index, name] = values_of(index, name)
-            value = agreed[index, name] = group_value(values)
-            if value is DISAGREE:
-                usual[index][name] = majority(values)
-            elif value is not MISSING:
-                usual[index][name] = value
+            agreed[index, name] = group_value(values)
+    torn_groups = {index for (index, _), value in agreed.items() if value is DISAGREE}
+    fillable = {  # (only the groups that disagree somewhere need them)
+        (index, name): [
+            at
+            for at in compress(count(), map(is_, values, repeat(MISSING)))
+            if key_of(index, at, name) is not None
+        ]
+        for (index, name), values in held.items()
+        if index in torn_groups
+    }
+    settled_all = settle_all(held, agreed, names, fillable, inferred=inferred)
     for (index, name), value in agreed.items():
         if value is MISSING:
             continue  # no member has one: a backfill keeps the reference's value
@@ -755,13 +878,10 @@ def settle_groups(
             if merged is not None:
                 merged.update(zip(map(itemgetter(1), lacking), repeat(value)))
             continue
-        others = usual[:index] + usual[index + 1 :]
-
-        settled = settle(values, partial(_moved_member, held, index, names_of(index), others))
+        settled, final = settled_all[index, name]
         if merged is not None:
-            merged.update(zip(map(itemgetter(1), lacking), repeat(settled.value)))
-            for at in settled.rewritten(inferred=inferred):
-                merged[str(key_of(index, at, name))] = settled.value
+            for at in [at for at, _ in lacking] + settled.rewritten(inferred=inferred):
+                merged[str(key_of(index, at, name))] = final[at]
         if conflicts:
             group = members[index]
             outcome.conflicts.append(
@@ -774,18 +894,6 @@ def settle_groups(
                     backfilled=[group[at] for at, _ in lacking],
                 )
             )
-
-
-def _moved_member(
-    held: Mapping[tuple[int, str], list[Any]],
-    index: int,
-    names: list[str],
-    others: list[dict[str, Any]],
-    at: int,
-) -> bool:
-    """:func:`moved_in` for member ``at`` of group ``index`` (``held``: values per group, name)."""
-    pairs = ((name, held[index, name][at]) for name in names)
-    return moved_in([(n, v) for n, v in pairs if v is not MISSING], others)
 
 
 def backfill(

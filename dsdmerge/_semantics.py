@@ -30,7 +30,7 @@ over a nested reference, which is flattened first):
    nested, at the top level; else inferred) and hyperparameter, in the group's key
    order: when its members' checkpoint values agree, a missing
    ``param_groups.<fqn>.<hp>`` key takes that value; when they disagree (looked at
-   only when merging or looking for conflicts), :func:`dsdmerge._groups.settle`
+   only when merging or looking for conflicts), :func:`dsdmerge._groups.settle_all`
    picks the group's value, the missing keys and the members
    :meth:`~dsdmerge._groups.Settled.rewritten` take it, and one conflict line
    (:func:`dsdmerge._groups.disagreement`) reports the group.
@@ -55,10 +55,8 @@ from dsdmerge._groups import (
     NESTED_PG,
     disagreement,
     group_value,
-    majority,
     merge_groups,
-    moved_in,
-    settle,
+    settle_all,
 )
 from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
 from dsdmerge._tensors import differs, same_view
@@ -255,12 +253,16 @@ def _param_groups(
                 c.get(rows[m][name], MISSING) if name in rows[m] else MISSING for m in members
             ]
     agreed = {place: group_value(values) for place, values in held.items()}
-    usual: list[dict[str, Any]] = [{} for _ in groups]  # per group: the value most members hold
-    for (index, name), value in agreed.items():
-        if value is DISAGREE:
-            usual[index][name] = majority(held[index, name])
-        elif value is not MISSING:
-            usual[index][name] = value
+    names = [[n for (i, n) in held if i == index] for index in range(len(groups))]
+    fillable = {
+        (index, name): [
+            at
+            for at, m in enumerate(groups[index])
+            if held[index, name][at] is MISSING and name in rows[m]
+        ]
+        for (index, name) in held
+    }
+    settled_all = settle_all(held, agreed, names, fillable, inferred=inferred) if look else {}
     values: dict[str, Any] = {}
     lines: list[str] = []
     for (index, name), value in agreed.items():
@@ -275,18 +277,9 @@ def _param_groups(
             continue
         if not look:  # (a comparison that looks for nothing)
             continue
-        others = usual[:index] + usual[index + 1 :]
-        names = [n for (i, n) in held if i == index]
-        moved = [  # each member: every hyperparameter it holds is another group's value
-            moved_in(
-                [(n, held[index, n][at]) for n in names if held[index, n][at] is not MISSING],
-                others,
-            )
-            for at in range(len(members))
-        ]
-        settled = settle(vals, moved.__getitem__)
+        settled, final = settled_all[index, name]
         for at in lacking + settled.rewritten(inferred=inferred):
-            values[rows[members[at]][name]] = settled.value
+            values[rows[members[at]][name]] = final[at]
         lines.append(
             disagreement(
                 f"{index} (inferred)" if inferred else str(index),

@@ -176,11 +176,13 @@ def _flat_groups(fc, fr, *, inferred):
     The rule of dsdmerge._groups restated on the strategies' data (a group is named by its
     weight decay in the reference, flat or nested): for each group and hyperparameter, the
     checkpoint values of its members (in the reference's order). When they agree, members
-    without one take it; when they disagree, a member "moved in" if every value it holds is
-    what most members of another group hold; the group takes the value most members hold,
-    leaving out values only moved members hold, the first on a tie; members without a value
-    take it, and so does every member holding another one (with inferred groups, only moved
-    ones). Returns ({key: expected value}, [(weight decay, name) that disagree]).
+    without one take it. When they disagree, rounds until nothing changes, each on the values
+    the rounds before wrote: a member "moved in" if every value it holds is another group's
+    usual value (the one its members agree on, else the one most of them hold); the group
+    takes the value most members hold, leaving out values only moved members hold, the first
+    on a tie; members without a value take it, and so does every member holding another one
+    (with inferred groups, only moved ones). Returns ({key: expected value}, [(weight decay,
+    name) that disagree]).
     """
     chk, ref = _hyperparameters(fc), _hyperparameters(fr)
     groups = _groups(ref)
@@ -190,57 +192,74 @@ def _flat_groups(fc, fr, *, inferred):
         for d, members in groups.items()
         for n in names[d]
     }
-    usual = {d: {} for d in groups}
-    agreed = {}
-    for (d, n), values in held.items():
-        present = [v for v in values if v is not _NONE]
-        agreed[d, n] = (
-            _NONE
-            if not present
-            else present[0]
-            if all(_same(present[0], v) for v in present)
-            else "disagree"
-        )
-        if present:
-            usual[d][n] = _first_of_most(present)
-    expected = {}
-    disagree = []
-    for (d, n), values in held.items():
-        members = groups[d]
-        keys = [f"param_groups.{m}.{n}" for m in members]
-        for key, v in zip(keys, values, strict=True):
-            expected[key] = fr[key] if v is _NONE else v
-        if agreed[d, n] is _NONE:
-            continue
-        if agreed[d, n] != "disagree":
-            value, change = agreed[d, n], []
-        else:
-            disagree.append((d, n))
 
-            def moved(m, d=d):
-                row = [(x, chk[m][x]) for x in names[d] if x in chk.get(m, {})]
-                return any(
+    def agreement(values):
+        present = [v for v in values if v is not _NONE]
+        if not present:
+            return _NONE
+        return present[0] if all(_same(present[0], v) for v in present) else "disagree"
+
+    def torn(v):
+        return isinstance(v, str) and v == "disagree"
+
+    agreed = {place: agreement(values) for place, values in held.items()}
+    disagree = [place for place, v in agreed.items() if torn(v)]
+    work = {place: list(values) for place, values in held.items()}
+    for place, v in agreed.items():  # backfilled as the merge does
+        if not torn(v) and v is not _NONE:
+            work[place] = [v if x is _NONE else x for x in work[place]]
+    for _ in range(2 * len(groups) + 2):
+        usual = {d: {} for d in groups}
+        for (d, n), values in work.items():
+            now = agreement(values)
+            if torn(now):
+                usual[d][n] = _first_of_most([v for v in values if v is not _NONE])
+            elif now is not _NONE:
+                usual[d][n] = now
+        writes = []
+        for d, n in disagree:
+            values = work[d, n]
+            if not torn(agreement(values)):
+                value = agreement(values)
+                writes.append(((d, n), [at for at, v in enumerate(values) if v is _NONE], value))
+                continue
+
+            def moved(at, d=d, usual=usual):
+                row = [(x, work[d, x][at]) for x in names[d] if work[d, x][at] is not _NONE]
+                return bool(row) and any(
                     all(x in usual[e] and _same(usual[e][x], v) for x, v in row)
                     for e in groups
                     if e != d
                 )
 
             kinds = []  # [value, holders]
-            for m, v in zip(members, values, strict=True):
+            for at, v in enumerate(values):
                 if v is not _NONE:
                     kind = next((k for k in kinds if _same(k[0], v)), None)
                     if kind is None:
                         kinds.append(kind := [v, []])
-                    kind[1].append(m)
+                    kind[1].append(at)
             pool = [k for k in kinds if not all(map(moved, k[1]))] or kinds
             best = max(len(k[1]) for k in pool)
             value = next(k[0] for k in pool if len(k[1]) == best)
-            change = [
-                m for k in kinds if k[0] is not value for m in k[1] if not inferred or moved(m)
+            ats = [at for at, v in enumerate(values) if v is _NONE]
+            ats += [
+                at for k in kinds if k[0] is not value for at in k[1] if not inferred or moved(at)
             ]
-        for m, key, v in zip(members, keys, values, strict=True):
-            if v is _NONE or m in change:
-                expected[key] = value
+            writes.append(((d, n), ats, value))
+        changed = False
+        for place, ats, value in writes:
+            for at in ats:
+                if work[place][at] is not value:
+                    work[place][at] = value
+                    changed = True
+        if not changed:
+            break
+    expected = {}
+    for d, n in held:
+        for m, now in zip(groups[d], work[d, n], strict=True):
+            key = f"param_groups.{m}.{n}"
+            expected[key] = fr[key] if now is _NONE else now
     return expected, disagree
 
 
