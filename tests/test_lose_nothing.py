@@ -356,3 +356,45 @@ def test_diff_values_reports_changed_hyperparameters_compressed():
     # nested sides compare as flattened; the same object is never "changed"
     nested = dm.diff(dm.unflatten({k: v for k, v in c.items() if "." in k}), r, values=True)
     assert [x.key for x in nested.changed] == ["param_groups.a.lr", "param_groups.b.lr"]
+
+
+def test_settling_groups_is_a_fixed_point_merging_again_changes_nothing():
+    # found by the fuzz profile: wk moved from the 0.0 group to the 0.01 one, where it ties
+    # with indexer, and norm from the 0.01 group to the 0.02 one: that norm moved shows only
+    # once the 0.01 group is settled. One merge settles both; a second changes nothing.
+    def flat(rows):
+        return {f"param_groups.{p}.{n}": v for p, hp in rows.items() for n, v in hp.items()}
+
+    c = flat(
+        {
+            p: {"lr": 5e-4, "weight_decay": wd}
+            for p, wd in [
+                ("wv", 0.0),
+                ("wk", 0.0),
+                ("indexer", 0.01),
+                ("norm", 0.01),
+                ("head", 0.02),
+                ("wq", 0.02),
+            ]
+        }
+    )
+    r = flat(
+        {
+            p: {"lr": 1e-3, "weight_decay": wd}
+            for p, wd in [
+                ("wv", 0.0),
+                ("wk", 0.01),
+                ("indexer", 0.01),
+                ("norm", 0.02),
+                ("head", 0.02),
+                ("wq", 0.02),
+            ]
+        }
+    )
+    with pytest.warns(dm.DSDMergeWarning, match="disagree on 'weight_decay'"):
+        once = dm.merge(c, r)
+    assert once["param_groups.wk.weight_decay"] == 0.01
+    assert once["param_groups.norm.weight_decay"] == 0.02
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dm.merge(once, r) == once  # consistent now: nothing to say or change
