@@ -98,6 +98,7 @@ def diff(
         tuple(changed),
         suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
         conversions=conversions_for(checkpoint, reference, outcome.missing, outcome.unexpected),
+        tied=tuple((key, source) for key, source, _ in outcome.ties),
     )
 
 
