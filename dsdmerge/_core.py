@@ -11,6 +11,8 @@ only through these names, so the engine behind them can change freely:
   :class:`~dsdmerge.KeyDiff`, or a :class:`~dsdmerge.MergeError`;
 * :func:`reshaped`: whether a mismatch is a real change of shape (torch rejects it);
 * :func:`copy_tree`: new containers, shared leaves;
+* :func:`normalise_ids`: int param ids a DCP round trip spelled as strings made
+  int again (:mod:`dsdmerge._ids`), as every verb reads them;
 * :func:`most_common`: the group rule "the checkpoint group most members come
   from" (:mod:`dsdmerge._groups`), for building a reference the merge agrees with;
 * :data:`MISSING` and :func:`short_repr`: the sentinel for "no value" and the
@@ -27,6 +29,7 @@ from typing import Any
 
 from dsdmerge._engine import run
 from dsdmerge._groups import most_common
+from dsdmerge._ids import normalise_ids
 from dsdmerge._records import KeyDiff, Mismatch
 from dsdmerge._trees import copy_tree
 from dsdmerge._values import MISSING, short_repr
@@ -42,6 +45,7 @@ __all__ = [
     "copy_tree",
     "merge_under",
     "most_common",
+    "normalise_ids",
     "reshaped",
     "short_repr",
     "verdict",
@@ -81,5 +85,7 @@ def verdict(
     :class:`~dsdmerge.MergeError` when the policy rejects a difference. Does not
     modify its inputs.
     """
+    checkpoint = normalise_ids(checkpoint, what="the checkpoint")
+    reference = normalise_ids(reference, what="the reference")
     outcome = run(checkpoint, reference, merge=False, conflicts=policy.conflict != "ignore")
     return apply_policy(outcome, policy, stacklevel=stacklevel + 2, reference=reference)[0]

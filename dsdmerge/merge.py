@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import run
+from dsdmerge._ids import normalise_ids
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
 from dsdmerge.diff import KeyDiff, Mismatch, suggest
@@ -242,6 +243,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(checkpoint, rename, pol)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
     if shapes == "resize":
@@ -307,6 +309,7 @@ def merge_resolved(
     """
     _fresh_choice(fresh)
     shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(checkpoint, rename, policy)
     outcome = run(
         checkpoint,
@@ -344,6 +347,16 @@ def merge_resolved(
     if fresh == "as_fresh" and diff.missing:
         merged = _without_fresh_state(merged, checkpoint, diff.missing)
     return Merged(_with_metadata(merged, checkpoint, reference), diff, conflicts)
+
+
+def _one_spelling(
+    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]
+) -> tuple[Mapping[Any, Any], Mapping[Any, Any]]:
+    """Both sides with int param ids a DCP round trip spelled as strings made int (see _ids)."""
+    return (
+        normalise_ids(checkpoint, what="the checkpoint"),
+        normalise_ids(reference, what="the reference"),
+    )
 
 
 def _fresh_choice(fresh: object) -> None:

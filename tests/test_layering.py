@@ -31,6 +31,7 @@ LAYERS = [
     "dsdmerge.report",
     "dsdmerge.policy",
     "dsdmerge.layout",
+    "dsdmerge._ids",
     # the records everything below the verbs produces
     "dsdmerge._records",
     # the engine, one module per concept

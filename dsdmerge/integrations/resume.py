@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dsdmerge._core import copy_tree, merge_under, reshaped, verdict
+from dsdmerge._core import copy_tree, merge_under, normalise_ids, reshaped, verdict
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
@@ -435,13 +435,13 @@ def _nested(loaded: Mapping[Any, Any]) -> dict[Any, Any]:
                 "'state.<fqn>.<name>' / 'param_groups.<fqn>.<hyperparameter>'); pass the "
                 "optimizer's state dict, not a whole checkpoint"
             )
-        return nested
+        return dict(normalise_ids(nested, what="loaded"))
     if not is_optimizer_state_dict(loaded):
         raise LayoutError(
             "loaded is not an optimizer state dict: it has no 'state' mapping and "
             "'param_groups' list; pass the optimizer's part of the checkpoint"
         )
-    return _normalise_ids(loaded)
+    return dict(normalise_ids(loaded, what="loaded"))
 
 
 def _group_ids(osd: Mapping[Any, Any]) -> list[Any]:
@@ -456,28 +456,6 @@ def _id_keyed(osd: Mapping[Any, Any]) -> bool:
     """Whether the param groups list int ids (``optimizer.state_dict()``), not fqns."""
     ids = _group_ids(osd)
     return bool(ids) and all(type(pid) is int for pid in ids)
-
-
-def _normalise_ids(osd: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Int param ids whose state keys became strings (a DCP round trip: ``'0'``) made int again.
-
-    Only when every param id in the groups is an int and the string is exactly the
-    decimal spelling of one of them; anything else is left as it is.
-    """
-    ids = _group_ids(osd)
-    state = osd[STATE]
-    if not ids or not all(type(pid) is int for pid in ids):
-        return dict(osd)
-    known = {str(pid): pid for pid in ids}
-    if not any(type(k) is str and k in known for k in state):
-        return dict(osd)
-    if any(type(k) is str and k in known and known[k] in state for k in state):
-        raise LayoutError(
-            "the optimizer state has both an int param id and its string spelling as keys; "
-            "which one is meant cannot be told"
-        )
-    fixed = {(known[k] if type(k) is str and k in known else k): v for k, v in state.items()}
-    return {**osd, STATE: fixed}
 
 
 def _has_param_names(osd: Mapping[Any, Any]) -> bool:
