@@ -57,6 +57,7 @@ LAYERS = [
     # integrations
     "dsdmerge.integrations._files",
     "dsdmerge.integrations._dcp_metadata",
+    "dsdmerge.integrations._fresh",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
     "dsdmerge.integrations.resume",

@@ -44,15 +44,28 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dsdmerge._core import copy_tree, merge_under, normalise_ids, reshaped, verdict
+from dsdmerge._core import (
+    copy_tree,
+    merge_under,
+    normalise_ids,
+    reshaped,
+    short_repr,
+    verdict,
+)
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
+from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
+    Expected,
+    Mismatched,
     Slots,
     _inner,
+    expected_state,
+    field_mismatches,
     init_state,
     leaf_optimizers,
+    made_by_zero_step,
     uses_fsdp1,
 )
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
@@ -341,9 +354,11 @@ def _plan(
             "state dict, or save fqn-keyed state with get_optimizer_state_dict."
         )
     slots = Slots.of(opts, model, keyed=keyed)
+    by_position = False  # int ids mapped by position, without names to check them by
     if keyed == "id":
         try:
             checkpoint = _to_live_ids(checkpoint, slots)
+            by_position = not _has_param_names(checkpoint)
         except MergeError:
             if model is None or not _has_param_names(checkpoint):
                 raise
@@ -351,38 +366,265 @@ def _plan(
             checkpoint = _fqn_keyed_by_param_names(checkpoint)
             slots = Slots.of(opts, model, keyed="fqn")
     checkpoint = _without_param_names(checkpoint)
-    # DSD's fresh state (on a throwaway copy) where it is asked for, or where the shape of
-    # every state field must be known to resize it (a grown embedding's moments)
-    init = init_state(slots) if fresh == "reference" or on_shape_mismatch != "raise" else None
-    reference = _without_param_names(slots.reference(checkpoint, init=init))
+    c_state = checkpoint[STATE]
+    live = slots.live_state()
+    # DSD's fresh state (on a throwaway copy) where it is asked for
+    init = init_state(slots) if fresh == "reference" else None
+    # every state tensor loaded is checked against the shape and dtype its optimizer gives
+    # that field: the live state where there is some, else the optimizer's own fresh state
+    # (a meta twin; see dsdmerge.integrations._fresh)
+    fresh_for = [
+        k
+        for k in slots.every_key()
+        if _has_state(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
+    ]
+    expected = expected_state(slots, c_state, fresh_for) if fresh_for else None
+    known = {**(expected.states if expected else {}), **{k: v for k, v in live.items() if v}}
+    if by_position:
+        _refuse_misaligned(c_state, slots, known, on_shape_mismatch)
+    overlays = _overlays(c_state, expected, pol, on_shape_mismatch) if expected else {}
+    reference = _without_param_names(slots.reference(checkpoint, init=init, overlays=overlays))
     merged = merge_under(
         checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
     )
-    state = merged.state_dict
     keep: set[Any] | None = None
     if fresh == "as_fresh":
-        c_state = checkpoint[STATE]
-        live = slots.live_state()
-        keep = {k for k in slots.every_key() if k in c_state or k in live}
-    return _Plan(slots, slots.load_dicts(state, keep=keep), merged.diff)
+        # the state an optimizer that never saw the checkpoint has: not what a zero-gradient
+        # step made (torchtitan's state_dict() takes one first), but what it makes itself
+        # (Adagrad's accumulators, made with the optimizer)
+        keep = {k for k in slots.every_key() if k in c_state}
+        held = [k for k in slots.every_key() if k not in c_state and live.get(k)]
+        if held:
+            keep.update(set(held) - made_by_zero_step(slots, live, held))
+    dicts = slots.load_dicts(merged.state_dict, keep=keep, entry_keys=slots.entry_keys(reference))
+    return _Plan(slots, dicts, merged.diff)
+
+
+def _has_state(entry: Any) -> bool:
+    return isinstance(entry, Mapping) and bool(entry)
+
+
+def _overlays(
+    c_state: Mapping[Any, Any],
+    expected: Expected,
+    pol: Policy,
+    on_shape_mismatch: OnShapeMismatch,
+) -> dict[Any, list[Mismatched]]:
+    """Per slot key, the checkpoint's state fields whose tensors the optimizer shapes otherwise.
+
+    They go into the reference (the optimizer's own values there), so that the merge
+    reports, refuses or resizes them as it does any tensor. Fields inside lists (PSGD's
+    factor lists) cannot be resized and are refused here.
+
+    Raises:
+        MergeError: A list field differs, or a differing field would be resized or taken
+            from the reference but the optimizer's fresh state is known only on meta
+            tensors (its step failed on a real copy).
+    """
+    out: dict[Any, list[Mismatched]] = {}
+    in_lists: list[str] = []
+    no_values: list[str] = []
+    needs_values = on_shape_mismatch != "raise" or pol.shape != "raise"
+    for key, fresh in expected.states.items():
+        found = field_mismatches(c_state[key], fresh)
+        for m in found:
+            where = ".".join(map(str, (STATE, key, *m.path)))
+            text = (
+                f"{where} ({_tensor_text(m.checkpoint)} in the checkpoint, "
+                f"{_tensor_text(m.fresh)} fresh)"
+            )
+            if m.in_list and m.reshaped:
+                in_lists.append(text)
+            elif needs_values and key not in expected.real and m.reshaped:
+                no_values.append(text)
+        fields = [m for m in found if not m.in_list]
+        if fields:
+            out[key] = fields
+    problems = []
+    if in_lists:
+        problems.append(
+            f"{len(in_lists)} optimizer state tensor(s) inside lists do not have the shape "
+            f"their optimizer gives them: {', '.join(in_lists[:10])}; torch's optimizers load "
+            "state without checking its shape, and the next step would fail or broadcast it. "
+            "Tensors in lists cannot be resized."
+        )
+    if no_values:
+        problems.append(
+            f"{len(no_values)} optimizer state tensor(s) do not have the shape their optimizer "
+            f"gives them: {', '.join(no_values[:10])}, and the optimizer's fresh values for them "
+            "are not known (its step failed on a copy of it), so they cannot be resized or "
+            "taken fresh."
+        )
+    if problems:
+        text = "\n".join(f"  - {t}" for t in problems)
+        raise MergeError(f"cannot resume:\n{text}", problems=tuple(problems))
+    return out
+
+
+def _tensor_text(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _refuse_misaligned(
+    c_state: Mapping[Any, Any],
+    slots: Slots,
+    known: Mapping[Any, Any],
+    on_shape_mismatch: OnShapeMismatch,
+) -> None:
+    """Refuse int ids mapped by position whose state does not fit the parameter there.
+
+    A plain ``optimizer.state_dict()`` without ``param_names`` says which parameter is
+    which only by position. When the state at a position does not have the shapes the
+    optimizer gives the parameter now at that position, either the parameter was
+    resized (``on_shape_mismatch="resize"`` says so) or the positions no longer name
+    the same parameters (added, removed, reordered, frozen ones left out). The latter
+    is certain when that state fits another position's parameter exactly; then, or
+    when no resize was asked for, this refuses rather than guess.
+
+    Raises:
+        MergeError: Saying what to pass (the old model's names) or, when only sizes
+            changed, ``on_shape_mismatch="resize"``.
+    """
+    (o,) = slots.optims
+    order = list(_chain_keys(o.keys))
+    bad: list[str] = []
+    shifted: list[str] = []
+    for key in order:
+        entry = c_state.get(key)
+        if not isinstance(entry, Mapping) or not entry or key not in known:
+            continue
+        reshaped_ = [m for m in field_mismatches(entry, known[key]) if m.reshaped]
+        if not reshaped_:
+            continue
+        fields = ", ".join(
+            f"{'.'.join(map(str, m.path))} {_tensor_text(m.checkpoint)} for {_tensor_text(m.fresh)}"
+            for m in reshaped_[:3]
+        )
+        bad.append(f"{key} ({fields})")
+        fits = [
+            other
+            for other in order
+            if other != key and other in known and _fits(entry, known[other])
+        ]
+        if fits:
+            shifted.append(f"{key} fits {fits[0]}")
+    if not bad or (on_shape_mismatch != "raise" and not shifted):
+        return
+    what = (
+        f"the state saved at position(s) {', '.join(shifted[:10])} exactly, "
+        "so the parameters are no longer in the order the checkpoint was saved in"
+        if shifted
+        else "if parameters were added, removed, reordered or frozen, positions name other "
+        "parameters now; if only sizes changed (a grown vocabulary), pass "
+        "on_shape_mismatch='resize'"
+    )
+    text = (
+        f"loaded is a plain optimizer.state_dict() (int param ids, no param_names), which says "
+        f"which parameter is which only by position, and the state at position(s) "
+        f"{', '.join(bad[:10])} does not have the shapes the optimizer gives the parameter "
+        f"there now: {what}. dsdmerge does not guess: key the checkpoint by the names of the "
+        "model it was saved from, dsdmerge.rekey(loaded, old_model.named_parameters()) (in the "
+        "order its optimizer listed them), or save param_names with it (an optimizer built "
+        "from model.named_parameters())."
+    )
+    raise MergeError(f"cannot resume: {text}", problems=(text,))
+
+
+def _chain_keys(lists: Iterable[list[Any]]) -> Iterable[Any]:
+    for items in lists:
+        yield from items
+
+
+def _fits(entry: Mapping[Any, Any], fresh: Any) -> bool:
+    """Whether a state entry has tensors in common with ``fresh`` and all of their shapes."""
+    if field_mismatches(entry, fresh):
+        return False
+    return any(
+        hasattr(entry.get(k), "shape") and hasattr(v, "shape")
+        for k, v in (fresh.items() if isinstance(fresh, Mapping) else ())
+        if tuple(getattr(v, "shape", ())) != ()
+    )
 
 
 def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
-    """Load each optimizer's part (the verdict has been given)."""
-    if _needs_dsd(model, options):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+    """Load each optimizer's part (the verdict has been given), all or none.
 
-        opts = dataclasses.replace(
-            options or StateDictOptions(), flatten_optimizer_state_dict=False, strict=False
+    Every part is first loaded into a meta twin of its optimizer (no memory; torch's
+    own checks and the optimizer's load hooks run there): what torch would reject is
+    refused before any optimizer changes. If a real load still fails, the optimizers
+    loaded so far get back the state they had (their ``state_dict()`` from before).
+
+    Raises:
+        MergeError: torch (or the optimizer's load hooks) rejects a part.
+    """
+    for n, (o, sd) in enumerate(zip(plan.slots.optims, plan.dicts, strict=True)):
+        try:
+            tw, _ = twin(o.optimizer, kind="meta")
+        except Exception:  # noqa: BLE001 - no twin, no dry run: the real load is undone
+            continue
+        try:
+            tw.load_state_dict(sd)
+        except Exception as err:
+            raise _rejected(plan, n, o.optimizer, err, "nothing was loaded") from err
+    dsd = _needs_dsd(model, options)
+    parts = _fqn_keyed_each(plan) if dsd else plan.dicts
+    done: list[Any] = []
+    for n, (o, sd) in enumerate(zip(plan.slots.optims, parts, strict=True)):
+        done.append(o)
+        try:
+            if dsd:
+                _dsd_load(model, o.optimizer, sd, options)
+            else:
+                o.optimizer.load_state_dict(sd)
+        except Exception as err:
+            undone = _restore(done[:-1])
+            _restore(done[-1:])  # torch changes nothing before its checks; a hook may have
+            raise _rejected(plan, n, o.optimizer, err, undone) from err
+
+
+def _dsd_load(model: Any, optimizer: Any, sd: Any, options: StateDictOptions | None) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    opts = dataclasses.replace(
+        options or StateDictOptions(), flatten_optimizer_state_dict=False, strict=False
+    )
+    set_optimizer_state_dict(model, optimizer, sd, options=opts)
+
+
+def _restore(done: list[Any]) -> str:
+    """Give the optimizers in ``done`` back the state they had before; say how it went."""
+    if not done:
+        return "no optimizer was changed"
+    failed = []
+    for o in done:
+        try:
+            o.optimizer.load_state_dict(o.live)
+        except Exception as err:  # noqa: BLE001 - reported, the first error is the cause
+            failed.append(f"{type(o.optimizer).__name__} ({type(err).__name__}: {err})")
+    if failed:
+        return (
+            "the optimizers loaded before it could not all be given back their state: "
+            + ", ".join(failed)
         )
-        for o, sd in zip(plan.slots.optims, _fqn_keyed_each(plan), strict=True):
-            set_optimizer_state_dict(model, o.optimizer, sd, options=opts)
-        return
-    for o, sd in zip(plan.slots.optims, plan.dicts, strict=True):
-        o.optimizer.load_state_dict(sd)
+    return "the optimizers loaded before it have their state from before again"
+
+
+def _rejected(plan: _Plan, n: int, optimizer: Any, err: BaseException, what: str) -> MergeError:
+    which = (
+        f"optimizer {n} ({type(optimizer).__name__})"
+        if len(plan.dicts) > 1
+        else (type(optimizer).__name__)
+    )
+    text = (
+        f"{which}.load_state_dict rejects the merged state: {type(err).__name__}: "
+        f"{short_repr(str(err))}; {what}. The checkpoint holds a value torch cannot load "
+        "(a state entry of the wrong type, such as a string step): check it with "
+        "dsdmerge.diff(loaded, reference, values=True)."
+    )
+    return MergeError(f"cannot resume: {text}", diff=plan.diff, problems=(text,))
 
 
 def _needs_dsd(model: Any, options: StateDictOptions | None) -> bool:
@@ -489,9 +731,12 @@ def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
         text = (
             f"the checkpoint has {len(sizes)} param group(s) of sizes {sizes} but the "
             f"optimizer has {len(live_sizes)} of sizes {live_sizes}; a plain "
-            "optimizer.state_dict() (int ids) maps parameters by position, so it cannot be "
-            "resumed across that change. Rekey it to fqns with dsdmerge.rekey (or save "
-            "get_optimizer_state_dict next time)."
+            "optimizer.state_dict() (int ids, no param_names) says which parameter is which "
+            "only by position, so it cannot be resumed across that change, and dsdmerge does "
+            "not guess. Key it by the names of the model it was saved from: "
+            "dsdmerge.rekey(loaded, old_model.named_parameters()) (in the order its optimizer "
+            "listed them), then resume that (or save param_names with it: an optimizer built "
+            "from model.named_parameters())."
         )
         raise MergeError(f"cannot resume: {text}", problems=(text,))
     mapping: dict[Any, Any] = {}
