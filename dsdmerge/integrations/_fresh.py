@@ -11,18 +11,20 @@ empty. The live optimizer, its parameters and the model are never touched.
 
 Two kinds of twin:
 
-* ``"meta"``: the stand-ins are meta tensors (shape, dtype, no memory). The step
-  costs the optimizer's Python overhead only: measured on CPU, 2-12 ms for the test
-  model and ~40 ms for AdamW over the 291 parameters of a 1.1B-parameter
-  Llama-shaped model (``benchmarks/bench_fresh_state.py``), with no memory at all.
-  Some steps cannot run on meta tensors (``.item()`` on a value: torch's ASGD,
-  Adafactor and LBFGS, pytorch-optimizer's AdamP, Prodigy, DAdaptAdam), and an
-  optimizer that tells tensors apart by their storage address (heavyball) may mix
-  up equal-sized parameters on meta tensors, whose addresses are all 0.
+* ``"meta"``: the stand-ins are meta tensors (shape, dtype, no memory), one per
+  shape, dtype and layout in each param group (meta kernels run in Python, about
+  1 ms a tensor). Measured (``benchmarks/bench_fresh_state.py``, AdamW, one CPU
+  thread): 27 ms for a 1.26B-parameter Llama-shaped model of 201 tensors, 7 ms at
+  124M parameters, and no tensor memory at all. Some steps cannot run on meta
+  tensors (``.item()`` on a value: torch's ASGD, Adafactor and LBFGS,
+  pytorch-optimizer's AdamP, Prodigy, DAdaptAdam), and an optimizer that tells
+  tensors apart by their storage address (heavyball) may mix up equal-sized
+  parameters on meta tensors, whose addresses are all 0.
 * ``"copy"``: the stand-ins are detached clones of the parameters, on their device.
-  Exact (it is DSD's own step, on copies), but it costs one copy of the parameters
-  and the fresh state for as long as the step runs: 13 GB at 1.1B parameters with
-  AdamW (the same benchmark), as much as DSD's own reference costs.
+  Exact (it is DSD's own step, on copies), but it holds one copy of the parameters
+  and the fresh state while it runs: at 124M parameters 5.1 s and 1.5 GiB (3x the
+  parameters' bytes with AdamW; the process's peak RSS grew 2.2 GiB), so about
+  15 GB at 1.26B; as much as DSD's own reference costs.
 
 What the resume helpers do with them (:mod:`dsdmerge.integrations._optim`): the meta
 twin first, for every parameter whose checkpoint state is loaded without the live
@@ -173,13 +175,37 @@ def fresh_states(
         Exception: Copying or stepping failed (the caller decides what that means).
     """
     tw, stand_in = twin(optimizer, kind=kind)
+    rep = _one_per_kind(tw) if kind == "meta" else {}
     zero_step(tw, every_param=every_param)
-    by_stand_in = {id(v): k for k, v in stand_in.items()}
-    return {
-        by_stand_in[id(p)]: entry
-        for p, entry in tw.state.items()
-        if id(p) in by_stand_in and isinstance(entry, Mapping)
-    }
+    out: dict[int, Any] = {}
+    for live_id, p in stand_in.items():
+        entry = tw.state.get(rep.get(id(p), p))
+        if isinstance(entry, Mapping):
+            out[live_id] = entry
+    return out
+
+
+def _one_per_kind(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
+    """Each group of a meta twin keeps one parameter per shape, dtype, layout and grad flag.
+
+    A meta step runs each op through Python meta kernels (about 1 ms a tensor for AdamW), so
+    a model of 47k parameters in 20 shapes would take 47 s; an optimizer that keeps
+    per-parameter state gives equal parameters of one group equal fresh state. (LBFGS,
+    whose state spans every parameter, cannot step on meta tensors at all.) Returns
+    ``id(stand-in) -> the stand-in it takes its fresh state from``.
+    """
+    rep: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        seen: dict[tuple[Any, ...], Any] = {}
+        kept = []
+        for p in group["params"]:
+            kind = (tuple(p.shape), p.dtype, p.layout, p.requires_grad)
+            if kind not in seen:
+                seen[kind] = p
+                kept.append(p)
+            rep[id(p)] = seen[kind]
+        group["params"] = kept
+    return rep
 
 
 def same_state(a: Any, b: Any, depth: int = 0) -> bool:

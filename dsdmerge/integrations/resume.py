@@ -328,7 +328,9 @@ def _plan(
     if fresh not in _FRESH:
         raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    pol = dataclasses.replace(pol, drop_unexpected=False)  # nothing a parameter has is dropped
+    # what the reference lacks is the state of parameters no longer optimized (every field of a
+    # parameter that is, and the optimizer-level entries, are in it): left out, and reported
+    pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
     if _id_keyed(checkpoint) and model is not None and (rename is not None or len(opts) > 1):
