@@ -110,11 +110,15 @@ def twin(
     return out, stand_in
 
 
-def zero_step(optimizer: torch.optim.Optimizer, /, *, every_param: bool) -> None:
+def zero_step(
+    optimizer: torch.optim.Optimizer, /, *, every_param: bool, probe: bool = False
+) -> None:
     """DSD's ``_init_optim_state`` step on a twin: zero gradients, ``lr`` 0, one ``step()``.
 
     ``every_param``: give every parameter a gradient (for the shape of every field);
-    else only those that require one, as DSD does.
+    else only those that require one, as DSD does. ``probe``: gradients of ones instead,
+    for the fields an optimizer creates only once a gradient is not zero (LBFGS returns
+    before it makes its direction and history): shapes only, the values mean nothing.
 
     Raises:
         Exception: Whatever the optimizer's step raises, for every way it was tried.
@@ -129,7 +133,10 @@ def zero_step(optimizer: torch.optim.Optimizer, /, *, every_param: bool) -> None
     for _ in range(2):  # as DSD does it; then once more the way the error asks for
         for group in optimizer.param_groups:
             for p in group["params"]:
-                p.grad = _zero_grad(p, sparse=sparse) if every_param or p.requires_grad else None
+                grad = _zero_grad(p, sparse=sparse) if every_param or p.requires_grad else None
+                if probe and grad is not None and not sparse:
+                    grad = grad.add(1)
+                p.grad = grad
         try:
             with torch.no_grad():
                 if closure:
@@ -167,16 +174,18 @@ def _zero_grad(p: torch.Tensor, *, sparse: bool) -> torch.Tensor:
 
 
 def fresh_states(
-    optimizer: torch.optim.Optimizer, /, *, kind: Kind, every_param: bool
+    optimizer: torch.optim.Optimizer, /, *, kind: Kind, every_param: bool, probe: bool = False
 ) -> dict[int, Any]:
     """``id(live param) -> the state its optimizer's zero-gradient step gives it`` (on a twin).
+
+    ``probe``: the step takes gradients of ones (see :func:`zero_step`).
 
     Raises:
         Exception: Copying or stepping failed (the caller decides what that means).
     """
     tw, stand_in = twin(optimizer, kind=kind)
     rep = _one_per_kind(tw) if kind == "meta" else {}
-    zero_step(tw, every_param=every_param)
+    zero_step(tw, every_param=every_param, probe=probe)
     out: dict[int, Any] = {}
     for live_id, p in stand_in.items():
         entry = tw.state.get(rep.get(id(p), p))

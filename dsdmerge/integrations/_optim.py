@@ -713,7 +713,40 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
                 states[key] = result[id(p)]
                 if is_real:
                     real.add(key)
+        # tensor fields the checkpoint has that a zero-gradient step does not make (LBFGS
+        # makes its direction and history only from a gradient that is not zero): their
+        # shapes from a step with gradients of ones (values unknown: not "real")
+        lacking = [
+            (key, p) for key, p in mine if _tensor_fields(c_state[key]) - set(states.get(key, {}))
+        ]
+        if lacking:
+            probed = _probe(o.optimizer)
+            for key, p in lacking:
+                extra = {
+                    k: v
+                    for k, v in probed.get(id(p), {}).items()
+                    if k in _tensor_fields(c_state[key]) and k not in states.get(key, {})
+                }
+                if extra:
+                    states[key] = {**states.get(key, {}), **extra}
+                    real.discard(key)
     return Expected(states, frozenset(real), tuple(unknown))
+
+
+def _tensor_fields(entry: Mapping[Any, Any]) -> set[Any]:
+    import torch
+
+    return {k for k, v in entry.items() if isinstance(v, torch.Tensor)}
+
+
+def _probe(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
+    """:func:`fresh_states` with gradients of ones (meta first, then a copy; ``{}`` if neither)."""
+    for kind in ("meta", "copy"):
+        try:
+            return fresh_states(optimizer, kind=kind, every_param=True, probe=True)
+        except Exception:  # noqa: BLE001 - no probe: those fields stay unchecked
+            continue
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
