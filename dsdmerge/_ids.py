@@ -17,9 +17,17 @@ a ``ParameterList`` model's fqns ``'0'``, ``'1'`` stay strings). A state dict th
 holds both spellings of one id cannot be read either way and is refused, naming
 the keys.
 
+DCP spells the int keys *inside* a parameter's state as strings too (heavyball keeps
+it under view indices ``0``, ``1``). Which of those were ints only the optimizer
+knows, so :func:`one_spelling` reads them from the other side: in a parameter's
+state entry (at any depth), a str key that is the decimal spelling of an int key
+the reference's entry for that parameter has, where the checkpoint's entry has no
+such int key and the reference's no such str key, becomes the int.
+
 Every public verb that compares or converts optimizer state (:func:`~dsdmerge.diff`,
-:func:`~dsdmerge.merge`, :func:`~dsdmerge.check`, :func:`~dsdmerge.rekey` and the
-resume helpers) applies it to its inputs first.
+:func:`~dsdmerge.merge`, :func:`~dsdmerge.check` and the resume helpers:
+:func:`one_spelling`; :func:`~dsdmerge.rekey`: :func:`normalise_ids`) applies it to
+its inputs first.
 """
 
 from __future__ import annotations
@@ -57,6 +65,87 @@ def normalise_ids(tree: Mapping[Any, Any], /, *, what: str = "the state dict") -
     if not isinstance(tree, Mapping):  # the caller refuses it, with its own message
         return tree
     return _walk(tree, what, "", 0)
+
+
+def one_spelling(
+    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any], /
+) -> tuple[Mapping[Any, Any], Mapping[Any, Any]]:
+    """Both sides with :func:`normalise_ids`; the checkpoint's state spelled as the reference's.
+
+    See the module. Leaves shared; inputs not modified.
+
+    Raises:
+        LayoutError: A ``state`` holds an int id and its string spelling both.
+
+    Example:
+        >>> from dsdmerge._ids import one_spelling
+        >>> ref = {"state": {0: {0: {"step": 1}}}, "param_groups": [{"params": [0]}]}
+        >>> ckpt = {"state": {"0": {"0": {"step": 5}}}, "param_groups": [{"params": [0]}]}
+        >>> one_spelling(ckpt, ref)[0]["state"]
+        {0: {0: {'step': 5}}}
+    """
+    if not isinstance(checkpoint, Mapping) or not isinstance(reference, Mapping):
+        return checkpoint, reference
+    checkpoint = normalise_ids(checkpoint, what="the checkpoint")
+    reference = normalise_ids(reference, what="the reference")
+    return _pair(checkpoint, reference, 0), reference
+
+
+def respelled_state(state: Mapping[Any, Any], own: Mapping[Any, Any], /) -> Mapping[Any, Any]:
+    """``state`` (an optimizer's ``state``) with each entry's keys spelled as in ``own``'s entry.
+
+    ``own``: the same parameters' state as the optimizer keeps it (by the same keys).
+    Returns ``state`` itself when nothing changes.
+    """
+    changed: dict[Any, Any] = {}
+    for key, entry in state.items():
+        mine = own.get(key)
+        if isinstance(entry, Mapping) and isinstance(mine, Mapping):
+            new = _respell(entry, mine, 0)
+            if new is not entry:
+                changed[key] = new
+    if not changed:
+        return state
+    return {k: changed.get(k, v) for k, v in state.items()}
+
+
+def _pair(node: Mapping[Any, Any], ref: Mapping[Any, Any], depth: int) -> Mapping[Any, Any]:
+    if is_optimizer_state_dict(node):
+        if not is_optimizer_state_dict(ref):
+            return node
+        state = respelled_state(node[STATE], ref[STATE])
+        return node if state is node[STATE] else {**node, STATE: state}
+    if depth >= _DEPTH or len(node) > _WRAPPER_KEYS:
+        return node
+    changed: dict[Any, Any] = {}
+    for k, v in node.items():
+        other = ref.get(k)
+        if isinstance(v, Mapping) and isinstance(other, Mapping):
+            new = _pair(v, other, depth + 1)
+            if new is not v:
+                changed[k] = new
+    return {k: changed.get(k, v) for k, v in node.items()} if changed else node
+
+
+def _respell(entry: Mapping[Any, Any], own: Mapping[Any, Any], depth: int) -> Mapping[Any, Any]:
+    if depth >= _DEPTH:
+        return entry
+    ints = {str(k): k for k in own if type(k) is int}
+    out: dict[Any, Any] = {}
+    changed = False
+    for k, v in entry.items():
+        new_k = k
+        if type(k) is str and k in ints and k not in own and ints[k] not in entry:
+            new_k = ints[k]
+        sub = own.get(new_k)
+        new_v = (
+            _respell(v, sub, depth + 1)
+            if isinstance(v, Mapping) and isinstance(sub, Mapping)
+            else v
+        )
+        changed = changed or new_k is not k or new_v is not v
+        out[new_k] = new_v
+    return out if changed else entry
 
 
 def _walk(node: Mapping[Any, Any], what: str, where: str, depth: int) -> Mapping[Any, Any]:

@@ -14,7 +14,7 @@ from operator import eq, is_not
 from typing import Any
 
 from dsdmerge._engine import run
-from dsdmerge._ids import normalise_ids
+from dsdmerge._ids import one_spelling
 
 # The records live in dsdmerge._records, below the code that produces them; this module
 # re-exports them (and dtype_name, which integrations.checkpoints takes from here).
@@ -73,8 +73,7 @@ def diff(
         >>> d.missing, d.unexpected, d.mismatched
         (('head',), ('old',), ())
     """
-    checkpoint = normalise_ids(checkpoint, what="the checkpoint")
-    reference = normalise_ids(reference, what="the reference")
+    checkpoint, reference = one_spelling(checkpoint, reference)
     if rename is not None:
         checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
         if unmatched:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import run
-from dsdmerge._ids import normalise_ids
+from dsdmerge._ids import one_spelling
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
 from dsdmerge.diff import KeyDiff, Mismatch, suggest
@@ -352,11 +352,8 @@ def merge_resolved(
 def _one_spelling(
     checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]
 ) -> tuple[Mapping[Any, Any], Mapping[Any, Any]]:
-    """Both sides with int param ids a DCP round trip spelled as strings made int (see _ids)."""
-    return (
-        normalise_ids(checkpoint, what="the checkpoint"),
-        normalise_ids(reference, what="the reference"),
-    )
+    """Both sides with the int keys a DCP round trip spelled as strings made int (see _ids)."""
+    return one_spelling(checkpoint, reference)
 
 
 def _fresh_choice(fresh: object) -> None:
@@ -372,7 +369,11 @@ def _without_fresh_state(
     """``merged`` without the backfilled state of parameters the checkpoint has no state for.
 
     Nested optimizer state dicts (also inside whole checkpoints) lose those
-    parameters' entries; flat ones their ``state.<fqn>.*`` keys.
+    parameters' entries; flat ones their ``state.<fqn>.*`` keys. A checkpoint entry
+    that holds no value (schedulefree's ``{}``, heavyball's ``{0: {}}``: made for a
+    parameter that never got a gradient) is no state either: it is kept as it is, with
+    nothing backfilled into it (heavyball's schedule-free step turns a zero-gradient
+    step's state next to the checkpoint's step counters into NaN).
     """
     if classify(merged) is Layout.FLAT:
         return _flat_without_fresh_state(merged, checkpoint, missing)
@@ -391,7 +392,7 @@ def _without_fresh_state(
                 if isinstance(pid, (int, str))
             }
             node[STATE] = {
-                pid: entry
+                pid: (c_state[pid] if _hollow(c_state[pid]) else entry) if pid in c_state else entry
                 for pid, entry in node[STATE].items()
                 if pid in c_state or pid not in members
             }
@@ -410,6 +411,21 @@ def _without_fresh_state(
             node[k] = child
             stack.append((child, c_child, key))
     return out
+
+
+def _hollow(entry: Any) -> bool:
+    """Whether a state entry is mappings all the way down, without one value."""
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return False
+            if len(stack) < 64:
+                stack.append(v)
+    return True
 
 
 def _flat_without_fresh_state(

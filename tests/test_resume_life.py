@@ -410,3 +410,29 @@ def test_only_the_optimizers_own_entries_are_carried():
     keys = [k for k in opt2.state if not isinstance(k, torch.Tensor)]
     assert keys == ["k"]
     assert opt2.state["k"] is sd["state"]["k"]
+
+
+# --------------------------------------------------------------------------------------
+# nothing of a parameter's state is dropped, at any depth
+
+
+def test_a_field_deep_in_a_parameters_state_is_kept_when_the_live_entry_lacks_it():
+    """heavyball keeps ``step`` in one view's entry (``{0: {"step": ..., ...}}``), the first
+    parameter's of its group: after a model change the live optimizer's entry for that
+    parameter may lack it. The checkpoint's field is loaded, not dropped as unexpected."""
+    from optimizers import ShampooLike
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optim = ShampooLike(model.parameters())
+    model(torch.randn(4, 3)).square().mean().backward()
+    optim.step()
+    sd = copy.deepcopy(get_optimizer_state_dict(model, optim))
+    sd["state"]["weight"]["precond"]["counter"] = torch.tensor(7.0)  # only the checkpoint's
+    new = copy.deepcopy(model)
+    opt2 = ShampooLike(new.parameters())
+    new(torch.randn(4, 3)).square().mean().backward()
+    opt2.step()  # the live entry: {"step", "precond": {"left", "right"}}
+    diff = resume_optimizer(new, opt2, sd, policy="strict")
+    assert not diff.unexpected
+    assert torch.equal(opt2.state[new.weight]["precond"]["counter"], torch.tensor(7.0))

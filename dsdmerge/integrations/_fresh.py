@@ -49,9 +49,11 @@ the step needs one (LBFGS).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -128,7 +130,7 @@ def zero_step(
     for group in optimizer.param_groups:
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-    sparse = closure = False
+    sparse = closure = graph = False
     first: BaseException | None = None
     for _ in range(2):  # as DSD does it; then once more the way the error asks for
         for group in optimizer.param_groups:
@@ -136,9 +138,12 @@ def zero_step(
                 grad = _zero_grad(p, sparse=sparse) if every_param or p.requires_grad else None
                 if probe and grad is not None and not sparse:
                     grad = grad.add(1)
+                if graph and grad is not None:
+                    with torch.enable_grad():  # a gradient that is a function of the parameter
+                        grad = p * 0 + grad
                 p.grad = grad
         try:
-            with torch.no_grad():
+            with torch.enable_grad() if graph else torch.no_grad():
                 if closure:
                     type(optimizer).step(optimizer, _zero_loss)  # type: ignore[arg-type]
                 else:
@@ -151,7 +156,9 @@ def zero_step(
             text = str(err).lower()
             closure = "closure" in text  # LBFGS: step(closure)
             sparse = "sparse" in text  # SparseAdam: sparse gradients only
-            if not (closure or sparse):
+            # SophiaH: a Hessian estimate differentiates the gradient (create_graph=True)
+            graph = "grad_fn" in text or "does not require grad" in text
+            if not (closure or sparse or graph):
                 raise
             optimizer.state.clear()
     raise AssertionError("unreachable")  # pragma: no cover
@@ -174,24 +181,79 @@ def _zero_grad(p: torch.Tensor, *, sparse: bool) -> torch.Tensor:
 
 
 def fresh_states(
-    optimizer: torch.optim.Optimizer, /, *, kind: Kind, every_param: bool, probe: bool = False
+    optimizer: torch.optim.Optimizer,
+    /,
+    *,
+    kind: Kind,
+    every_param: bool,
+    probe: bool = False,
+    seed: int | None = None,
 ) -> dict[int, Any]:
     """``id(live param) -> the state its optimizer's zero-gradient step gives it`` (on a twin).
 
-    ``probe``: the step takes gradients of ones (see :func:`zero_step`).
+    ``probe``: the step takes gradients of ones (see :func:`zero_step`). ``seed``: the
+    global random number generators are seeded with it for the step (PSGD's Kron draws
+    random numbers in its first step). Either way they are as they were afterwards: a
+    twin's step draws nothing from the caller's sequence of random numbers.
 
     Raises:
         Exception: Copying or stepping failed (the caller decides what that means).
     """
     tw, stand_in = twin(optimizer, kind=kind)
     rep = _one_per_kind(tw) if kind == "meta" else {}
-    zero_step(tw, every_param=every_param, probe=probe)
+    with rng_kept(stand_in.values()):
+        if seed is not None:
+            _seed(seed)
+        zero_step(tw, every_param=every_param, probe=probe)
     out: dict[int, Any] = {}
     for live_id, p in stand_in.items():
         entry = tw.state.get(rep.get(id(p), p))
         if isinstance(entry, Mapping):
             out[live_id] = entry
     return out
+
+
+@contextlib.contextmanager
+def rng_kept(tensors: Iterable[Any]) -> Iterator[None]:
+    """The global random number generators as they were before, whatever the block draws.
+
+    torch's CPU generator and those of the CUDA devices of ``tensors``, numpy's, Python's.
+    """
+    import random
+
+    import torch
+
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    py_state = random.getstate()
+    np_random = _numpy_random()
+    np_state = np_random.get_state() if np_random is not None else None
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np_random is not None:
+                np_random.set_state(np_state)
+
+
+def _numpy_random() -> Any:
+    try:
+        import numpy
+    except ImportError:  # numpy is not a dependency: nothing to keep
+        return None
+    return numpy.random
+
+
+def _seed(n: int) -> None:
+    import random
+
+    import torch
+
+    torch.manual_seed(n)
+    random.seed(n)
+    np_random = _numpy_random()
+    if np_random is not None:
+        np_random.seed(n)
 
 
 def _one_per_kind(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
@@ -217,8 +279,13 @@ def _one_per_kind(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
     return rep
 
 
-def same_state(a: Any, b: Any, depth: int = 0) -> bool:
-    """Whether two state entries are the same, bit for bit (tensors: dtype, shape, values)."""
+def same_state(a: Any, b: Any, depth: int = 0, *, drawn: Any = None) -> bool:
+    """Whether two state entries are the same, bit for bit (tensors: dtype, shape, values).
+
+    ``drawn``: ``b`` as made again with other random numbers; a tensor of ``b`` that
+    differs from its ``drawn`` counterpart was drawn at random and is compared by dtype
+    and shape only.
+    """
     import torch
 
     if depth > _WALK_DEPTH:
@@ -230,6 +297,8 @@ def same_state(a: Any, b: Any, depth: int = 0) -> bool:
             return False
         if a.device.type == "meta":
             return False
+        if isinstance(drawn, torch.Tensor) and not same_state(b, drawn, depth):
+            return True  # random: its kind is all that can be compared
         x, y = a.detach(), b.detach()
         if x.layout != torch.strided:
             x, y = x.to_dense(), y.to_dense()
@@ -242,17 +311,59 @@ def same_state(a: Any, b: Any, depth: int = 0) -> bool:
             )
         )
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(same_state(a[k], b[k], depth + 1) for k in a)
+        by_key: Mapping[Any, Any] = drawn if isinstance(drawn, Mapping) else {}
+        return a.keys() == b.keys() and all(
+            same_state(a[k], b[k], depth + 1, drawn=by_key.get(k)) for k in a
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        items = list(drawn) if isinstance(drawn, (list, tuple)) and len(drawn) == len(b) else []
         return (
             type(a) is type(b)
             and len(a) == len(b)
-            and all(same_state(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+            and all(
+                same_state(x, y, depth + 1, drawn=items[i] if items else None)
+                for i, (x, y) in enumerate(zip(a, b, strict=True))
+            )
         )
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - an exotic value
         return a is b
+
+
+def constructor_state(optimizer: torch.optim.Optimizer, /) -> set[int] | None:
+    """The ids of the live parameters a new instance of the optimizer's class makes state for.
+
+    The instance is built from the live param groups (every hyperparameter as the live
+    optimizer holds it) on meta stand-ins, so it costs no memory; Adagrad makes its
+    accumulators there. ``None`` when the class cannot be built that way (a constructor
+    with required arguments beyond its parameters).
+    """
+    import torch
+
+    stand_in: dict[int, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in stand_in:
+                stand_in[id(p)] = torch.nn.Parameter(
+                    torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                )
+            params.append(stand_in[id(p)])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    try:
+        with rng_kept(()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            new = type(optimizer)(groups)  # type: ignore[call-arg]
+    except Exception:  # noqa: BLE001 - any constructor: unknown
+        return None
+    by_stand_in = {id(v): k for k, v in stand_in.items()}
+    return {
+        by_stand_in[id(p)]
+        for p, entry in new.state.items()
+        if id(p) in by_stand_in and isinstance(entry, Mapping) and entry
+    }
 
 
 def dry_load(optimizer: torch.optim.Optimizer, state_dict: Mapping[Any, Any], /) -> None:

@@ -50,9 +50,9 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dsdmerge._core import MISSING, most_common, short_repr
+from dsdmerge._core import MISSING, most_common, respelled_state, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
-from dsdmerge.integrations._fresh import fresh_states, same_state
+from dsdmerge.integrations._fresh import constructor_state, fresh_states, same_state
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
 
 if TYPE_CHECKING:
@@ -396,8 +396,9 @@ class Slots:
                     if not base and init is not None:
                         base = init.get(key)
                     if ck is not MISSING:
-                        if base:
-                            state[key] = {**ck, **base}
+                        if base:  # every field of the checkpoint's, at any depth (heavyball
+                            # keeps its step in one view's entry: {0: {"step": ...}})
+                            state[key] = _union(ck, base, 0)
                         elif overlays and overlays.get(key):
                             state[key] = overlaid(ck, overlays[key])
                         else:
@@ -620,16 +621,18 @@ def init_state(slots: Slots) -> dict[Any, Any]:
     return out
 
 
-def made_by_zero_step(slots: Slots, live: Mapping[Any, Any], keys: Iterable[Any]) -> set[Any]:
-    """Which of ``keys`` hold live state exactly as DSD's zero-gradient step makes it.
+def made_with_the_optimizer(slots: Slots, live: Mapping[Any, Any], keys: Iterable[Any]) -> set[Any]:
+    """Which of ``keys`` hold live state a new optimizer has too (its constructor made it).
 
-    torchtitan's ``OptimizersContainer.state_dict()`` (and DSD's
-    ``get_optimizer_state_dict``) take that step on an optimizer without state; an
-    optimizer that never saw the checkpoint would not hold that state. State the
-    optimizer made otherwise (Adagrad's accumulators, created with the optimizer;
-    steps it really took) is not what such a step gives a copy of the optimizer now,
-    and is kept. One copy twin per optimizer concerned; when its step fails, nothing
-    is taken for an artefact.
+    A new optimizer that never saw the checkpoint holds what its constructor makes
+    (Adagrad's accumulators) and nothing else: not what DSD's zero-gradient step made
+    (torchtitan's ``OptimizersContainer.state_dict()`` and DSD's
+    ``get_optimizer_state_dict`` take one on an optimizer without state), not what steps
+    taken before the resume made. Asked of the optimizer's class itself: a new instance
+    built from the live groups' hyperparameters on meta stand-ins (no memory). Where that
+    cannot be built, the live state counts as made by a zero-gradient step when it is
+    exactly what one gives a copy of the optimizer now (tensors drawn at random, as
+    Kron's, compared by shape), and is kept otherwise.
     """
     wanted = set(keys)
     out: set[Any] = set()
@@ -641,11 +644,21 @@ def made_by_zero_step(slots: Slots, live: Mapping[Any, Any], keys: Iterable[Any]
         ]
         if not mine:
             continue
-        try:
-            fresh = fresh_states(o.optimizer, kind="copy", every_param=False)
-        except Exception:  # noqa: BLE001 - unknown: the live state is kept, as before
+        made = constructor_state(o.optimizer)
+        if made is not None:
+            out.update(key for key, p in mine if id(p) in made)
             continue
-        out.update(key for key, p in mine if id(p) in fresh and same_state(live[key], fresh[id(p)]))
+        try:  # twice, with two seeds: what differs is drawn at random (Kron), not compared
+            fresh = fresh_states(o.optimizer, kind="copy", every_param=False, seed=0)
+            again = fresh_states(o.optimizer, kind="copy", every_param=False, seed=1)
+        except Exception:  # noqa: BLE001 - unknown: the live state is kept, as before
+            out.update(key for key, _ in mine)
+            continue
+        out.update(
+            key
+            for key, p in mine
+            if not (id(p) in fresh and same_state(live[key], fresh[id(p)], drawn=again.get(id(p))))
+        )
     return out
 
 
@@ -692,7 +705,10 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
             result = None
         confirm = result is None or any(
             (id(p) not in result and bool(result))
-            or (id(p) in result and field_mismatches(c_state[key], result[id(p)]))
+            or (
+                id(p) in result
+                and field_mismatches(_spelled(c_state[key], result[id(p)]), result[id(p)])
+            )
             for key, p in mine
         )
         is_real = False
@@ -730,7 +746,41 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
                 if extra:
                     states[key] = {**states.get(key, {}), **extra}
                     real.discard(key)
+        for key, _ in mine:
+            if key in states:
+                states[key] = _with_siblings(c_state[key], states[key])
     return Expected(states, frozenset(real), tuple(unknown))
+
+
+def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """``fresh`` with a stand-in for each checkpoint tensor field no step made at all.
+
+    A field an optimizer makes only later (SophiaH's ``hessian``, every few steps) or no
+    more (a momentum buffer after ``momentum`` was set to 0) is sized like a sibling: it
+    takes the fresh tensor of the field that has its shape and dtype in the checkpoint
+    (``hessian`` is shaped like ``momentum``). A field with no such sibling stays
+    unchecked.
+    """
+    import torch
+
+    by_shape: dict[tuple[Any, ...], Any] = {}
+    for k, v in checkpoint.items():
+        f = fresh.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor) and v.dim() > 0:
+            by_shape.setdefault((tuple(v.shape), v.dtype), f)
+    extra = {
+        k: by_shape[(tuple(v.shape), v.dtype)]
+        for k, v in checkpoint.items()
+        if k not in fresh and isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) in by_shape
+    }
+    return {**fresh, **extra} if extra else fresh
+
+
+def _spelled(entry: Any, own: Any) -> Any:
+    """A checkpoint entry with its keys spelled as the optimizer's own entry (DCP's ``'0'``)."""
+    if not isinstance(entry, Mapping) or not isinstance(own, Mapping):
+        return entry
+    return respelled_state({0: entry}, {0: own})[0]
 
 
 def _tensor_fields(entry: Mapping[Any, Any]) -> set[Any]:

@@ -41,6 +41,7 @@ fields it lacks from the live optimizer (or, with ``"reference"``, from that ste
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -49,11 +50,12 @@ from dsdmerge._core import (
     merge_under,
     normalise_ids,
     reshaped,
+    respelled_state,
     short_repr,
     verdict,
 )
 from dsdmerge.diff import KeyDiff
-from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
+from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
 from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
@@ -65,7 +67,7 @@ from dsdmerge.integrations._optim import (
     field_mismatches,
     init_state,
     leaf_optimizers,
-    made_by_zero_step,
+    made_with_the_optimizer,
     uses_fsdp1,
 )
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
@@ -381,42 +383,89 @@ def _plan(
         if _has_state(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
     ]
     expected = expected_state(slots, c_state, fresh_for) if fresh_for else None
-    known = {**(expected.states if expected else {}), **{k: v for k, v in live.items() if v}}
+    # a DCP round trip spells the int keys inside a parameter's state as strings too
+    # (heavyball nests it under view indices 0, 1): read as the optimizer's own keys
+    own = {**(expected.states if expected else {}), **{k: v for k, v in live.items() if v}}
+    respelled = respelled_state(c_state, own)
+    if respelled is not c_state:
+        c_state = respelled
+        checkpoint = {**checkpoint, STATE: c_state}
+    if expected is not None and expected.unknown:
+        warnings.warn(
+            DSDMergeWarning(
+                "dsdmerge: the shapes of the optimizer state loaded could not be checked against "
+                "the optimizer's own for "
+                + "; ".join(expected.unknown)
+                + ". If the model changed shape, check the loaded state before stepping."
+            ),
+            stacklevel=stacklevel,
+        )
+    known = {
+        **(expected.states if expected else {}),
+        **{k: v for k, v in (init or {}).items() if v},
+        **{k: v for k, v in live.items() if v},
+    }
     if by_position:
         _refuse_misaligned(c_state, slots, known, on_shape_mismatch)
-    overlays = _overlays(c_state, expected, pol, on_shape_mismatch) if expected else {}
+    overlays = _overlays(c_state, expected, known, pol, on_shape_mismatch)
     reference = _without_param_names(slots.reference(checkpoint, init=init, overlays=overlays))
     merged = merge_under(
         checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
     )
     keep: set[Any] | None = None
+    state = merged.state_dict
     if fresh == "as_fresh":
         # the state an optimizer that never saw the checkpoint has: not what a zero-gradient
         # step made (torchtitan's state_dict() takes one first), but what it makes itself
-        # (Adagrad's accumulators, made with the optimizer)
-        keep = {k for k in slots.every_key() if k in c_state}
-        held = [k for k in slots.every_key() if k not in c_state and live.get(k)]
+        # (Adagrad's accumulators, made with the optimizer). An entry without values is no
+        # state (schedulefree's train() makes {}, heavyball {0: {}}): loaded as it is, with
+        # nothing backfilled into it.
+        keep = {k for k in slots.every_key() if _has_state(c_state.get(k))}
+        held = [k for k in slots.every_key() if k not in keep and live.get(k)]
         if held:
-            keep.update(set(held) - made_by_zero_step(slots, live, held))
-    dicts = slots.load_dicts(merged.state_dict, keep=keep, entry_keys=slots.entry_keys(reference))
+            keep.update(made_with_the_optimizer(slots, live, held))
+        hollow = {
+            k: c_state[k]
+            for k in slots.every_key()
+            if k not in keep and isinstance(c_state.get(k), Mapping)
+        }
+        if hollow:
+            state = {**state, STATE: {**state[STATE], **hollow}}
+            keep.update(hollow)
+    dicts = slots.load_dicts(state, keep=keep, entry_keys=slots.entry_keys(reference))
     return _Plan(slots, dicts, merged.diff)
 
 
 def _has_state(entry: Any) -> bool:
-    return isinstance(entry, Mapping) and bool(entry)
+    """Whether a state entry holds a value anywhere (``{}`` and ``{0: {}}`` hold none)."""
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return True
+            if len(stack) < 64:
+                stack.append(v)
+    return False
 
 
 def _overlays(
     c_state: Mapping[Any, Any],
-    expected: Expected,
+    expected: Expected | None,
+    known: Mapping[Any, Any],
     pol: Policy,
     on_shape_mismatch: OnShapeMismatch,
 ) -> dict[Any, list[Mismatched]]:
     """Per slot key, the checkpoint's state fields whose tensors the optimizer shapes otherwise.
 
-    They go into the reference (the optimizer's own values there), so that the merge
-    reports, refuses or resizes them as it does any tensor. Fields inside lists (PSGD's
-    factor lists) cannot be resized and are refused here.
+    ``known``: per slot key, the state the optimizer gives the parameter (its live state,
+    DSD's, or the twin's of ``expected``). Where it came from the twin, the differing
+    fields go into the reference (the optimizer's own values there), so that the merge
+    reports, refuses or resizes them as it does any tensor (the live and DSD's state are
+    in the reference already). Fields inside lists (PSGD's factor lists), which the merge
+    takes as opaque values, cannot be resized and are refused here, whatever their source.
 
     Raises:
         MergeError: A list field differs, or a differing field would be resized or taken
@@ -427,8 +476,13 @@ def _overlays(
     in_lists: list[str] = []
     no_values: list[str] = []
     needs_values = on_shape_mismatch != "raise" or pol.shape != "raise"
-    for key, fresh in expected.states.items():
-        found = field_mismatches(c_state[key], fresh)
+    twin_states = expected.states if expected else {}
+    for key, fresh in known.items():
+        entry = c_state.get(key)
+        if not isinstance(entry, Mapping):
+            continue
+        found = field_mismatches(entry, fresh)
+        from_twin = key in twin_states and twin_states[key] is fresh
         for m in found:
             where = ".".join(map(str, (STATE, key, *m.path)))
             text = (
@@ -437,10 +491,16 @@ def _overlays(
             )
             if m.in_list and m.reshaped:
                 in_lists.append(text)
-            elif needs_values and key not in expected.real and m.reshaped:
+            elif (
+                from_twin
+                and needs_values
+                and expected
+                and key not in expected.real
+                and (m.reshaped)
+            ):
                 no_values.append(text)
         fields = [m for m in found if not m.in_list]
-        if fields:
+        if fields and from_twin:
             out[key] = fields
     problems = []
     if in_lists:
@@ -670,7 +730,17 @@ def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
 
 
 def _nested(loaded: Mapping[Any, Any]) -> dict[Any, Any]:
-    """``loaded`` as a nested optimizer state dict (a flattened one unflattened by DSD's rules)."""
+    """``loaded`` as a nested optimizer state dict (a flattened one unflattened by DSD's rules).
+
+    A DCP round trip drops empty containers: an optimizer without state comes back as
+    ``{"param_groups": [...]}`` and is read with an empty ``state``.
+    """
+    if (
+        STATE not in loaded
+        and isinstance(loaded.get(PARAM_GROUPS), list)
+        and all(isinstance(g, Mapping) and PARAMS in g for g in loaded[PARAM_GROUPS])
+    ):
+        loaded = {**loaded, STATE: {}}
     if classify(loaded) is Layout.FLAT:
         nested = unflatten(loaded)
         if not is_optimizer_state_dict(nested):
@@ -952,10 +1022,31 @@ def load_dcp(
     )
     for path_ in skipped:
         _prune(target, path_)
+    _fold_spellings(target)
     for key, obj in stateful.items():
         # what was not read keeps its current value, as in dcp.load's partial load
         obj.load_state_dict(_filled(copy_tree(target.get(key, {})), expanded[key]))
     return DCPLoad(target, diff)
+
+
+def _fold_spellings(tree: dict[Any, Any]) -> None:
+    """Fold a ``'0'`` entry into the ``0`` entry next to it (in place, in ``load_dcp``'s own copy).
+
+    DCP places a bytes entry (heavyball's ``is_initialized`` set) by its path with every
+    key spelled as a string, next to the state dict's own int-keyed dict
+    (``{0: {"exp_avg": ..., "is_initialized": <the state dict's>}, "0": {"is_initialized":
+    <the checkpoint's>}}``): one entry, spelled two ways; what was read wins.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for k in [k for k in node if type(k) is str and k.isdecimal() and k.isascii()]:
+            other = node.get(int(k)) if str(int(k)) == k else None
+            mine = node[k]
+            if isinstance(other, dict) and isinstance(mine, dict):
+                other.update(mine)
+                del node[k]
+        stack.extend(v for v in node.values() if isinstance(v, dict))
 
 
 def _filled(dest: Any, src: Any) -> Any:
@@ -1002,7 +1093,12 @@ def _prune_tensors(target: dict[str, Any], original: Mapping[str, Any], keys: se
 
 
 def _prune(root: dict[str, Any], path: tuple[Any, ...]) -> None:
-    """Remove the entry at ``path`` and the dicts it leaves empty (list items are kept)."""
+    """Remove the entry at ``path`` and the dicts it leaves empty.
+
+    An item of a list of values (PSGD's factor lists ``Q.0``, ``Q.1``) takes the whole
+    list with it: a list only partly read is not the checkpoint's. Keys inside a list's
+    dicts (``param_groups.<i>.<name>``) go one by one, the list stays.
+    """
     chain: list[Any] = [root]
     node: Any = root
     for part in path[:-1]:
@@ -1011,6 +1107,9 @@ def _prune(root: dict[str, Any], path: tuple[Any, ...]) -> None:
         except (KeyError, IndexError, TypeError):
             return
         chain.append(node)
+    while len(chain) > 1 and isinstance(chain[-1], list):
+        chain.pop()  # the list itself goes, from the dict that holds it
+        path = path[: len(chain)]
     parent = chain[-1]
     if not isinstance(parent, dict) or path[-1] not in parent:
         return
