@@ -135,6 +135,12 @@ CONTROLS = Controls()
 
 # Flows that cannot resume exactly, by design of torch's own API (also in docs/resume.md).
 LIMITS = {
+    "dsd-reference-schedule-free": (
+        "DSD's get_optimizer_state_dict on a heavyball schedule-free optimizer without state "
+        "(SFAdamW in train mode) takes its zero-gradient step at lr 0, and that step turns "
+        "every parameter into NaN (0/0 in the schedule's weights): dm.merge's DSD reference "
+        "cannot be built; resume_optimizer never steps the live optimizer"
+    ),
     "dsd-empty-state-container": (
         "DSD's set_optimizer_state_dict with several optimizers assigns param groups to "
         "optimizers through their state: a state dict without state (every parameter fresh) "
@@ -161,12 +167,6 @@ LIMITS = {
 # What the merge engine does not do right yet, found by this machine; the machine does not
 # draw these cases until it does (the engine is being fixed on its own branch).
 ENGINE = {
-    "merge-as-fresh-hollow-entries": (
-        "dm.merge(fresh='as_fresh') takes a checkpoint entry without values (schedulefree's "
-        "train() makes {} for every parameter, heavyball {0: {}}) for state and backfills the "
-        "reference's fresh state into it: a never-gradient parameter gets DSD's zero-step "
-        "state; resume_optimizer loads such an entry as it is"
-    ),
     "merge-list-tensors": (
         "dm.merge takes a list in optimizer state (PSGD's and SOAP's factor lists) as one "
         "opaque value: tensors in it are not checked against the reference's, so a grown "
@@ -447,8 +447,8 @@ class Life(RuleBasedStateMachine):
             api = "resume"  # LIMITS["dsd-empty-state-container"]
         if api == "merge" and disturb == "grads":
             api = "resume"  # ENGINE["merge-empty-reference"]
-        if api == "merge" and self.spec.train_eval:
-            api = "resume"  # ENGINE["merge-as-fresh-hollow-entries"]
+        if api == "merge" and self.spec.package == "heavyball" and self.spec.train_eval:
+            api = "resume"  # LIMITS["dsd-reference-schedule-free"]
         if api == "merge" and (saved.rec.config.named or config.named):
             api = "resume"  # ENGINE["merge-param-names"]
         if api == "dcp" and saved.layout != "dcp":
