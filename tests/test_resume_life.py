@@ -436,3 +436,34 @@ def test_a_field_deep_in_a_parameters_state_is_kept_when_the_live_entry_lacks_it
     diff = resume_optimizer(new, opt2, sd, policy="strict")
     assert not diff.unexpected
     assert torch.equal(opt2.state[new.weight]["precond"]["counter"], torch.tensor(7.0))
+
+
+def test_int_ids_with_param_names_map_by_name_when_positions_moved():
+    """torch >= 2.6 saves param_names for an optimizer built from named_parameters(). A model
+    change that keeps every group's size (``l2`` removed, ``extra`` added) moves which
+    parameter sits at each position: the names decide, never the positions."""
+
+    class Before(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(3, 3)
+            self.l2 = nn.Linear(3, 3)
+
+    class After(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = nn.Linear(3, 3)  # registered first: position 0, where l1 was
+            self.l1 = nn.Linear(3, 3)
+
+    torch.manual_seed(0)
+    old = Before()
+    optim = torch.optim.Adam(old.named_parameters(), lr=0.01)
+    (old.l1(torch.ones(3)).sum() + old.l2(torch.ones(3)).sum()).backward()
+    optim.step()
+    sd = copy.deepcopy(optim.state_dict())
+    new = After()
+    opt2 = torch.optim.Adam(new.named_parameters(), lr=0.01)
+    diff = resume_optimizer(new, opt2, sd)
+    assert any(".l2." in k for k in diff.unexpected), diff
+    assert torch.equal(opt2.state[new.l1.weight]["exp_avg"], sd["state"][0]["exp_avg"])
+    assert new.extra.weight not in opt2.state  # fresh, not l1's moments

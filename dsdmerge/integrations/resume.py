@@ -68,6 +68,7 @@ from dsdmerge.integrations._optim import (
     init_state,
     leaf_optimizers,
     made_with_the_optimizer,
+    param_fqns,
     uses_fsdp1,
 )
 from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
@@ -335,7 +336,13 @@ def _plan(
     pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
-    if _id_keyed(checkpoint) and model is not None and (rename is not None or len(opts) > 1):
+    if (
+        _id_keyed(checkpoint)
+        and model is not None
+        and (rename is not None or len(opts) > 1 or _names_moved(checkpoint, opts, model))
+    ):
+        # torch saved the names, and positions no longer name the same parameters (or the
+        # checkpoint is renamed, or split across optimizers): by name, never by position
         checkpoint = _fqn_keyed_by_param_names(checkpoint)
     if rename is not None:
         if _id_keyed(checkpoint):
@@ -787,6 +794,34 @@ def _fqn_keyed_by_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     if not _has_param_names(osd):
         return dict(osd)
     return rekey(osd)
+
+
+def _names_moved(osd: Mapping[Any, Any], opts: Sequence[Any], model: Any) -> bool:
+    """Whether torch's ``param_names`` say that positions now name other parameters."""
+    if not _has_param_names(osd) or len(opts) != 1:
+        return False
+    fqn_of = param_fqns(model)
+    live = [[_unwrapped(fqn_of.get(id(p), "")) for p in g[PARAMS]] for g in opts[0].param_groups]
+    saved = [[_unwrapped(str(n)) for n in g[_PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
+    return live != saved
+
+
+_WRAPPER_SEGMENTS = (
+    "module.",
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+)
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter name without the segments wrappers add (DDP, torch.compile, FSDP1, AC).
+
+    Names saved from a wrapped model still name the same parameters.
+    """
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
 
 
 def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
