@@ -28,14 +28,44 @@ its reference; on an optimizer container that step runs at the real learning rat
 
 Fresh state, explicit
 ---------------------
-``fresh="as_fresh"`` (the default) leaves a parameter without checkpointed state
-without state, so the optimizer initialises it lazily on its next step, exactly
-as an optimizer that never saw a checkpoint would (bit for bit).
-``fresh="reference"`` gives it what DSD's zero-gradient step would (Adam:
-``step == 1``, and with L2 ``weight_decay`` non-zero moments), computed on a
-throwaway copy of the optimizer (one copy of the parameters, briefly). A
-parameter with *some* state in the checkpoint keeps all of it, and gets the
-fields it lacks from the live optimizer (or, with ``"reference"``, from that step).
+``fresh="as_fresh"`` (the default) gives a parameter without checkpointed state the
+state a new optimizer has: none (the optimizer initialises it lazily on its next
+step, exactly as an optimizer that never saw a checkpoint would, bit for bit), or
+what the optimizer's constructor makes (Adagrad's accumulators), whatever the live
+optimizer holds (torchtitan's ``state_dict()`` takes a zero-gradient step first: that
+step's state is not kept). ``fresh="reference"`` gives it what DSD's zero-gradient
+step would (Adam: ``step == 1``, and with L2 ``weight_decay`` non-zero moments),
+computed on a throwaway copy of the optimizer (one copy of the parameters, briefly).
+A parameter with *some* state in the checkpoint keeps all of it, and gets the fields
+it lacks from the live optimizer (or, with ``"reference"``, from that step).
+
+Only the optimizer's own state
+------------------------------
+Loaded: the state of every parameter the optimizers optimize, and the entries they
+keep besides (MADGRAD's ``state['k']``). The state of a parameter no longer optimized
+(removed, or frozen and left out of the optimizer) is reported unexpected and left
+out: under its fqn it would break the next ``get_optimizer_state_dict``. Every state
+tensor loaded is checked against the shape and dtype the optimizer gives that field
+for that parameter: its live state, else its own zero-gradient step on a throwaway
+twin (:mod:`dsdmerge.integrations._fresh`: on meta tensors, no memory; on a copy of
+the parameters only when that step cannot run on meta tensors or finds a difference),
+and refused, reported or resized as the merge does any tensor.
+
+All or nothing
+--------------
+Everything is decided before anything is loaded, and each optimizer's part is first
+loaded into a meta twin, where torch's own checks and the optimizer's load hooks run:
+what torch would reject is refused before any optimizer changes. If a real load still
+fails, the optimizers loaded before it get their state back, and a
+:class:`~dsdmerge.MergeError` says so.
+
+Int ids
+-------
+A plain ``optimizer.state_dict()`` names parameters by position. With torch's
+``param_names`` the names decide wherever positions moved; without them, a change
+positions cannot map (group sizes differ, or the state at a position does not fit the
+parameter there) is refused, saying to pass the old model's names
+(``dsdmerge.rekey(loaded, old_model.named_parameters())``); dsdmerge never guesses.
 """
 
 from __future__ import annotations
@@ -162,16 +192,18 @@ def resume_optimizer(
             torch's ``param_names``; otherwise rekey it with :func:`dsdmerge.rekey`.
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (the trained slice of each moment kept; see :func:`dsdmerge.merge`).
-            Pass what you passed to :func:`resume_model`. Other than ``"raise"``,
-            the shapes of the optimizer's state come from DSD's zero-gradient step
-            on a throwaway copy of it (the rows a resize adds start from that
-            state: zero moments for Adam).
+            Pass what you passed to :func:`resume_model`. Every state tensor is
+            checked against the shape the optimizer gives that field (see the
+            module); the rows a resize adds start from the optimizer's own fresh
+            state (zero moments for Adam).
 
     Returns:
         The :class:`~dsdmerge.KeyDiff` of ``loaded`` against what the optimizers accept.
 
     Raises:
-        MergeError: The policy rejects a difference (nothing was loaded).
+        MergeError: The policy rejects a difference, a state tensor does not fit its
+            parameter, int ids cannot be mapped by position, or torch's own load
+            rejects a value (nothing was loaded, or what was is undone).
         LayoutError: ``loaded`` is malformed, or int-keyed with several optimizers.
         StateDictTypeError: ``loaded`` is not a mapping, or no optimizer was given.
         InvalidPolicyError: Bad ``policy``, allow-lists or ``fresh``.
