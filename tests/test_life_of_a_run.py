@@ -159,8 +159,10 @@ LIMITS = {
         "load_dcp (like dcp.load) reads only what the state dict passed in holds: DSD's "
         "get_optimizer_state_dict of an optimizer whose parameters already hold gradients has "
         "no state (its init step is skipped), so the checkpoint's optimizer state is "
-        "unexpected and not read (the default policy says nothing; strict refuses). Build the "
-        "target before the first backward, or use load_checkpoint + resume_optimizer"
+        "unexpected and not read (the default policy says nothing; strict refuses); so are the "
+        "hyperparameters an optimizer adds to its groups as it steps (Prodigy's d_hat), which "
+        "a new optimizer's state dict lacks. Build the target before the first backward and "
+        "from a trained optimizer, or use load_checkpoint + resume_optimizer"
     ),
 }
 
@@ -180,7 +182,8 @@ ENGINE = {
     ),
     "merge-empty-reference": (
         "dm.merge compares optimizer state only with the reference's: DSD's reference is empty "
-        "when a parameter already holds a gradient (its init step is skipped), and a "
+        "when a parameter already holds a gradient or schedulefree's train() made empty "
+        "entries (its init step is skipped), and a "
         "wrong-shaped checkpoint tensor is then kept under the default policy (it is "
         "'unexpected'), as are a DCP round trip's string keys inside state entries (no entry "
         "of the reference says they were ints); resume_optimizer checks against the "
@@ -369,6 +372,8 @@ class Life(RuleBasedStateMachine):
         count("rule resume")
         saved = data.draw(st.sampled_from(self.saves[-3:]))
         rec, config = saved.rec, self.pending
+        if self.spec.package == "heavyball" and self.spec.train_eval and disturb == "zero-step":
+            disturb = "none"  # LIMITS["dsd-reference-schedule-free"]: it makes NaN weights
         if saved.step == 0 or not rec.state:  # LIMITS["save-before-first-step"]
             disturb = "none" if disturb == "zero-step" else disturb
             api = "resume" if api in ("merge", "dcp") else api
@@ -392,6 +397,8 @@ class Life(RuleBasedStateMachine):
         except Exception:  # noqa: BLE001 - DSD's init step fails inside the optimizer (SophiaH)
             count("resume skipped: torch cannot build DSD's reference")
             return
+        if api == "dcp" and not group_keys_held(reference, rec):
+            api = "resume"  # LIMITS["dcp-empty-target"]: group keys a step adds (Prodigy)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", dm.DSDMergeWarning)
@@ -447,6 +454,8 @@ class Life(RuleBasedStateMachine):
             api = "resume"  # LIMITS["dsd-empty-state-container"]
         if api == "merge" and disturb == "grads":
             api = "resume"  # ENGINE["merge-empty-reference"]
+        if api == "merge" and self.spec.train_eval and self.grown(saved, config):
+            api = "resume"  # ENGINE["merge-empty-reference"]: train() made {} entries
         if api == "merge" and self.spec.package == "heavyball" and self.spec.train_eval:
             api = "resume"  # LIMITS["dsd-reference-schedule-free"]
         if api == "merge" and (saved.rec.config.named or config.named):
@@ -756,6 +765,12 @@ def refusing(targets: list[Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
     except dm.DSDMergeError as err:
         assert snap.unchanged(), f"a refused {fn.__name__} changed its inputs: {err}"  # noqa: PT017
         raise
+
+
+def group_keys_held(target: Any, rec: Record) -> bool:
+    """Whether DSD's state dict of the new optimizer has every group key the checkpoint has."""
+    held = {k for g in target["param_groups"] for k in g}
+    return all(set(values) <= held for values in rec.hp.values())
 
 
 def has_tensors(entry: Any) -> bool:
