@@ -71,6 +71,7 @@ parameter there) is refused, saying to pass the old model's names
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -587,7 +588,7 @@ def _refuse_misaligned(
             changed, ``on_shape_mismatch="resize"``.
     """
     (o,) = slots.optims
-    order = list(_chain_keys(o.keys))
+    order = list(itertools.chain.from_iterable(o.keys))
     bad: list[str] = []
     shifted: list[str] = []
     for key in order:
@@ -629,11 +630,6 @@ def _refuse_misaligned(
         "from model.named_parameters())."
     )
     raise MergeError(f"cannot resume: {text}", problems=(text,))
-
-
-def _chain_keys(lists: Iterable[list[Any]]) -> Iterable[Any]:
-    for items in lists:
-        yield from items
 
 
 def _fits(entry: Mapping[Any, Any], fresh: Any) -> bool:
