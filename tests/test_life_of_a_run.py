@@ -30,18 +30,23 @@ model, the optimizers, the files. Refusals that must happen (strict without allo
 over a model change, positions that cannot map, groups whose checkpoint members disagree
 under strict, state that cannot be resized) are asserted too.
 
-What is left out, and why (the cases the machine never draws):
+What is left out, and why (the cases the machine never draws; each names its entry):
 
+* ``LIMITS``: flows torch's own API cannot resume exactly (also in docs/resume.md);
+* ``ENGINE``: what the merge engine does not do right yet (``dm.merge``'s own rules, being
+  fixed on their own branch);
 * int ids without ``param_names`` across a change that keeps every group's size but changes
   its members: positions then name other parameters of the same shapes, which nothing can
   detect (refused where shapes tell, see ``test_resume_life``);
-* structural changes with an optimizer whose state spans every parameter (LBFGS);
-* splitting an optimizer that keeps optimizer-level entries (MADGRAD's ``state['k']``): which
-  of the two would own the entry is not defined.
+* structural changes with an optimizer whose state spans every parameter (LBFGS), two
+  optimizers with a Hessian estimate each (SophiaH), and splitting an optimizer that keeps
+  optimizer-level entries (MADGRAD's ``state['k']``: which of the two owns it is not defined).
 
-Profiles (tests/conftest.py): ``ci`` and ``dev`` run a few examples per optimizer (about two
-minutes in all); ``fuzz`` runs 10,000 steps or more in all
-(``HYPOTHESIS_PROFILE=fuzz python -m pytest tests/test_life_of_a_run.py``).
+Profiles (tests/conftest.py): ``ci`` and ``dev`` run 12 examples of up to 20 rules per
+optimizer (about 8,000 rules, a minute alone); ``fuzz`` 25 (10,000 rules or more:
+``HYPOTHESIS_PROFILE=fuzz python -m pytest -s tests/test_life_of_a_run.py`` prints how many).
+``LIFE_EXAMPLES=N`` sets the examples per optimizer, ``LIFE_NO_SHRINK=1`` reports the first
+failure as found.
 """
 
 from __future__ import annotations
@@ -1014,9 +1019,14 @@ def test_life_of_a_run(spec: Spec, monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def test_zz_report_stats() -> None:
-    """Not a check: what the machine did in this session (shown with -s)."""
+def test_zz_the_machine_resumed() -> None:
+    """What the machines did in this session (shown with -s): when they ran, they resumed,
+    through every path, and refused what they must."""
     print(
         f"\nlife of a run: {STEP_COUNT[0]} steps; "
         + ", ".join(f"{k}: {v}" for k, v in sorted(STATS.items()))
     )
+    if STEP_COUNT[0] > 1000:  # the whole zoo ran
+        for api in ("resume", "backfill", "merge", "dcp"):
+            assert any(k.startswith(f"resumed {api} ") for k in STATS), (api, STATS)
+        assert any(k.startswith("refused") and "expected" in k for k in STATS), STATS
