@@ -6,7 +6,8 @@
   value with NaN equal to NaN, containers element-wise, small CPU tensors by content,
   everything else by identity), bounded for hostile values.
 * :func:`is_tensor_like` / :func:`tensor_like`: a value is tensor-like when its class
-  defines ``shape`` and ``dtype``; :data:`KNOWN_LEAF_TYPES` are the common leaf types.
+  defines ``shape`` and ``dtype``; :data:`KNOWN_LEAF_TYPES` are the common leaf types, and
+  :func:`leaf_codes` tells them apart in one C-level pass.
 """
 
 from __future__ import annotations
@@ -138,6 +139,22 @@ KNOWN_LEAF_TYPES = frozenset(
     {torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list}
 )
 KNOWN_TENSORS = frozenset(tp for tp in KNOWN_LEAF_TYPES if is_tensor_like(tp))
+
+_LEAF_CODES: dict[type, int] = {tp: int(tp in KNOWN_TENSORS) for tp in KNOWN_LEAF_TYPES}
+
+
+def leaf_codes(values: Iterable[Any]) -> bytes | None:
+    """Per value, 1 for a torch tensor and 0 for another common leaf, in one C-level pass.
+
+    ``None`` when some value has another type (a mapping, a NumPy array, a tensor
+    subclass such as DTensor, ...): the caller then scans the types in full. When
+    not ``None``, every value is a leaf (no mapping) and every tensor-like value
+    is a ``torch.Tensor`` or ``Parameter``.
+    """
+    try:
+        return bytes(map(_LEAF_CODES.__getitem__, map(type, values)))
+    except KeyError:  # a type not in the table
+        return None
 
 
 def run_length(items: list[Any], item: Any, start: int = 0) -> int:

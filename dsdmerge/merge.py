@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import run
+from dsdmerge._ids import one_spelling
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
 from dsdmerge.convert import Conversions, convert_checkpoint
@@ -280,6 +281,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(checkpoint, rename, pol, convert=convert, stacklevel=3)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
     if shapes == "resize":
@@ -356,6 +358,7 @@ def merge_resolved(
             f"max_resize_bytes must be a number of bytes (an int >= 0) or None, got "
             f"{short_repr(max_resize_bytes)}"
         )
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(
         checkpoint, rename, policy, convert=convert, stacklevel=stacklevel + 1
     )
@@ -408,6 +411,13 @@ def merge_resolved(
     return Merged(_with_metadata(merged, checkpoint, reference), diff, conflicts)
 
 
+def _one_spelling(
+    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]
+) -> tuple[Mapping[Any, Any], Mapping[Any, Any]]:
+    """Both sides with the int keys a DCP round trip spelled as strings made int (see _ids)."""
+    return one_spelling(checkpoint, reference)
+
+
 def _fresh_choice(fresh: object) -> None:
     if fresh not in ("reference", "as_fresh"):
         raise InvalidPolicyError(
@@ -421,7 +431,11 @@ def _without_fresh_state(
     """``merged`` without the backfilled state of parameters the checkpoint has no state for.
 
     Nested optimizer state dicts (also inside whole checkpoints) lose those
-    parameters' entries; flat ones their ``state.<fqn>.*`` keys.
+    parameters' entries; flat ones their ``state.<fqn>.*`` keys. A checkpoint entry
+    that holds no value (schedulefree's ``{}``, heavyball's ``{0: {}}``: made for a
+    parameter that never got a gradient) is no state either: it is kept as it is, with
+    nothing backfilled into it (heavyball's schedule-free step turns a zero-gradient
+    step's state next to the checkpoint's step counters into NaN).
     """
     if classify(merged) is Layout.FLAT:
         return _flat_without_fresh_state(merged, checkpoint, missing)
@@ -440,7 +454,7 @@ def _without_fresh_state(
                 if isinstance(pid, (int, str))
             }
             node[STATE] = {
-                pid: entry
+                pid: (c_state[pid] if _hollow(c_state[pid]) else entry) if pid in c_state else entry
                 for pid, entry in node[STATE].items()
                 if pid in c_state or pid not in members
             }
@@ -459,6 +473,21 @@ def _without_fresh_state(
             node[k] = child
             stack.append((child, c_child, key))
     return out
+
+
+def _hollow(entry: Any) -> bool:
+    """Whether a state entry is mappings all the way down, without one value."""
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return False
+            if len(stack) < 64:
+                stack.append(v)
+    return True
 
 
 def _flat_without_fresh_state(

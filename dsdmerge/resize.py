@@ -127,16 +127,15 @@ def resize(
             out[overlap].copy_(_real_part(checkpoint.detach()[overlap], dtype))
     except (RuntimeError, MemoryError) as err:  # torch's allocators raise RuntimeError
         text = " ".join(str(err).split())[:200] or type(err).__name__
+        nbytes = resize_nbytes(checkpoint, reference, dtype=dtype)
         raise MergeError(
             f"cannot resize: a {list(reference.shape)} {dtype} tensor of "
-            f"{resize_nbytes(checkpoint, reference, dtype=dtype):,} bytes could not be made ({text})"
+            f"{nbytes:,} bytes could not be made ({text})"
         ) from None
     return out
 
 
-def resize_nbytes(
-    checkpoint: Any, reference: Any, /, *, dtype: torch.dtype | None = None
-) -> int:
+def resize_nbytes(checkpoint: Any, reference: Any, /, *, dtype: torch.dtype | None = None) -> int:
     """The bytes :func:`resize` allocates for this pair (0 when it returns ``checkpoint``).
 
     ``dtype`` is the one :func:`resize` would be given (the reference's by default).
