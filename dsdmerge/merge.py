@@ -651,20 +651,28 @@ def _resize_budget(
     """A finding (raised) when the resizes would take more bytes than allowed.
 
     Allowed: ``max_bytes``, else the bytes the checkpoint's and the reference's tensors
-    hold (so a reference of a few bytes, an expanded tensor claiming any shape, cannot
-    make a merge allocate more than its inputs take).
+    hold, the reference's counted in the widest dtype a resize makes from it (a resize
+    keeps the checkpoint's dtype: a bfloat16 reference grown into a float64 checkpoint
+    tensor takes four times its bytes). So a reference of a few bytes, an expanded
+    tensor claiming any shape, cannot make a merge allocate more than a small multiple
+    of what its inputs take.
     """
     needs: dict[str, int] = {}
+    widen = 1.0  # the largest (result itemsize / reference itemsize) among the resizes
     for m in outcome.mismatches:
         if reshaped(m):
             slot = outcome.take_reference[m.key]
-            needs[m.key] = resize_nbytes(
-                slot.checkpoint, slot.reference, dtype=slot.checkpoint.dtype
-            )
+            dtype = slot.checkpoint.dtype
+            needs[m.key] = resize_nbytes(slot.checkpoint, slot.reference, dtype=dtype)
+            widen = max(widen, dtype.itemsize / slot.reference.element_size())
     total = sum(needs.values())
     if not total:
         return []
-    allowed = max_bytes if max_bytes is not None else held_nbytes(checkpoint, reference)
+    allowed = (
+        max_bytes
+        if max_bytes is not None
+        else held_nbytes(checkpoint, reference) + int((widen - 1) * held_nbytes(reference))
+    )
     if total <= allowed:
         return []
     worst = max(needs, key=needs.__getitem__)
