@@ -147,7 +147,7 @@ class ConversionError(DSDMergeError, ValueError):
         rule: The rule the error is about (a conversion record), or ``None``.
         keys: The fqns (or keys) the error is about, in the order the message names them.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.convert({"a.w": 1}, [dm.Transpose("b.w", dims=(0, 1))])

@@ -373,7 +373,7 @@ def _inside(directory: str, name: str, *, where: str, what: str) -> str:
 def plain_name(name: str, /) -> bool:
     """Whether ``name`` is a plain file name: no directory part, not ``.``/``..``, no NUL.
 
-    Example:
+    Examples:
         >>> from dsdmerge.integrations._files import plain_name
         >>> plain_name("model-00001-of-00002.safetensors"), plain_name("a/m.safetensors")
         (True, False)
