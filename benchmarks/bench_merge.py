@@ -345,7 +345,7 @@ def _ratio(a: str, b: str) -> Callable[[dict[str, float]], float]:
 
 
 TARGETS = [
-    # (name, value function, comparison, bound, what); issue 14's table first
+    # (name, value function, comparison, bound, what); the policy and resume rows first
     ("merge strict / floor", _ratio("merge strict", "floor"), "<=", 1.6, "strict policy"),
     ("merge warn / floor", _ratio("merge warn", "floor"), "<=", 1.6, "warn policy"),
     ("check strict / floor", _ratio("check strict", "floor"), "<=", 1.6, "check, strict"),

@@ -102,7 +102,7 @@ def bytes_entry() -> bytes:
     return record("BytesStorageMetadata", {})
 
 
-# -- the attacks of issue 11 ----------------------------------------------------------------
+# -- known attacks on readers ---------------------------------------------------------------
 
 
 def build_on_class(
