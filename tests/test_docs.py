@@ -316,6 +316,20 @@ def test_quick_start_is_what_ci_runs():
         assert f'"{line}"' in ci, line
 
 
+def test_readme_links_resolve():
+    """README's relative links name files of the repository (mkdocs checks the docs' own)."""
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    broken = [
+        link
+        for link in links
+        if not re.match(r"[a-z]+:", link)  # https:, mailto:
+        and not (ROOT / link.split("#")[0]).exists()
+    ]
+    assert not broken, f"README.md links to files that do not exist: {broken}"
+
+
 @pytest.mark.parametrize(
     "block", [b for b in ALL if b.lang == "bash" and b.kind == "run"], ids=lambda b: b.id
 )
