@@ -330,6 +330,20 @@ def test_readme_links_resolve():
     assert not broken, f"README.md links to files that do not exist: {broken}"
 
 
+def test_policy_table_is_the_same_in_readme_and_docs():
+    """One table of the policy rules: the README's is docs/merge.md's, row for row."""
+
+    def table(path: Path) -> list[str]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        start = lines.index("| situation | `default` | `warn` | `strict` |")
+        end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+        return lines[start:end]
+
+    readme, docs = table(README), table(ROOT / "docs" / "merge.md")
+    assert len(readme) > 10
+    assert readme == docs
+
+
 @pytest.mark.parametrize(
     "block", [b for b in ALL if b.lang == "bash" and b.kind == "run"], ids=lambda b: b.id
 )
