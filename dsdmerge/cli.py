@@ -772,7 +772,7 @@ def _findings(err: Exception) -> list[str]:
 def _rename_advice(err: Any, text: str) -> str:
     d = getattr(err, "diff", None)
     if d is not None and d.renames:
-        from dsdmerge.merge import rename_hint
+        from dsdmerge._verdict import rename_hint
 
         text = text.replace(
             rename_hint(d.renames), f" Some look renamed: pass {_rename_options(d.renames)}."

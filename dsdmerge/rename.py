@@ -151,6 +151,8 @@ def compile_rules(rules: Rules | None) -> tuple[Rule, ...]:
                     "{pattern: replacement}."
                 )
             out.extend(_rule(p, r, item) for p, r in preset.items())
+        elif isinstance(item, Rule):  # compiled already
+            out.append(item)
         elif isinstance(item, Mapping):
             out.extend(_rule(p, r, None) for p, r in item.items())
         elif _is_pair(item):

@@ -58,10 +58,12 @@ LAYERS = [
     "dsdmerge._convert_parts",
     "dsdmerge.convert",
     "dsdmerge.diff",
+    # one merge: the options, the verdict, the pipeline; the public functions
+    "dsdmerge._options",
+    "dsdmerge._verdict",
+    "dsdmerge._pipeline",
     "dsdmerge.merge",
     "dsdmerge.strategies",
-    # what the integrations may use of the core
-    "dsdmerge._core",
     # integrations
     "dsdmerge.integrations._files",
     "dsdmerge.integrations._dcp_metadata",

@@ -50,7 +50,9 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dsdmerge._core import MISSING, most_common, respelled_state, short_repr
+from dsdmerge._groups import most_common
+from dsdmerge._ids import respelled_state
+from dsdmerge._values import MISSING, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
 from dsdmerge.integrations._fresh import constructor_state, fresh_states, same_state
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
@@ -87,7 +89,7 @@ PLACEHOLDER = _Placeholder()
 # which optimizers
 
 
-def _inner(obj: object) -> list[Any] | None:
+def inner_optimizers(obj: object) -> list[Any] | None:
     """The optimizers a container holds, or ``None`` when ``obj`` is not a container."""
     import torch
 
@@ -121,7 +123,7 @@ def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
     found: list[torch.optim.Optimizer] = []
 
     def visit(obj: object, where: str, depth: int) -> None:
-        inner = _inner(obj) if depth < 8 else None
+        inner = inner_optimizers(obj) if depth < 8 else None
         if inner is not None:
             for i, o in enumerate(inner):
                 visit(o, f"{where}[{i}]", depth + 1)
@@ -143,7 +145,7 @@ def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
             )
         found.append(obj)
 
-    if isinstance(optimizers, torch.optim.Optimizer) or _inner(optimizers) is not None:
+    if isinstance(optimizers, torch.optim.Optimizer) or inner_optimizers(optimizers) is not None:
         visit(optimizers, "optimizers", 0)
     else:
         try:
