@@ -49,6 +49,7 @@ from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameErro
 from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     PG_PREFIX,
     STATE,
@@ -65,7 +66,6 @@ Rules = str | Mapping[Any, str] | Sequence[str | Mapping[Any, str]]
 :func:`re.sub` semantics), a preset name from :data:`RENAME_PRESETS`, or a sequence of
 those (applied in order)."""
 
-PARAM_NAMES = "param_names"
 
 # (?<![^.]) : at the start of the fqn or right after a dot (the start of a segment)
 # PEFT's adapter segments: lora_A.default.weight in a model, lora_A.weight in its saved adapter

@@ -55,7 +55,7 @@ from dsdmerge._ids import respelled_state
 from dsdmerge._values import MISSING, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
 from dsdmerge.integrations._fresh import constructor_state, fresh_states, same_state
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
+from dsdmerge.layout import PARAM_GROUPS, PARAM_NAMES, PARAMS, STATE
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,6 @@ __all__: list[str] = []
 
 # attributes under which optimizer containers keep their optimizers
 _CONTAINER_ATTRS = ("optimizers", "optimizers_dict", "_optimizers")
-_PARAM_NAMES = "param_names"
 
 
 class _Placeholder:
@@ -473,9 +472,9 @@ class Slots:
             for keys, ids, saved in zip(o.keys, o.ids, o.live[PARAM_GROUPS], strict=True):
                 group = {k: v for k, v in groups[at].items() if k != PARAMS}
                 at += 1
-                group.pop(_PARAM_NAMES, None)
-                if _PARAM_NAMES in saved:
-                    group[_PARAM_NAMES] = saved[_PARAM_NAMES]
+                group.pop(PARAM_NAMES, None)
+                if PARAM_NAMES in saved:
+                    group[PARAM_NAMES] = saved[PARAM_NAMES]
                 group[PARAMS] = Members(ids)
                 o_groups.append(group)
                 for key, pid in zip(keys, ids, strict=True):

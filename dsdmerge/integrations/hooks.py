@@ -39,7 +39,7 @@ from dsdmerge._pipeline import run
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.integrations._optim import param_fqns
 from dsdmerge.integrations.resume import plan_resume
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, require_mapping
+from dsdmerge.layout import PARAM_GROUPS, PARAM_NAMES, PARAMS, STATE, require_mapping
 from dsdmerge.policy import Policy, PolicyName
 from dsdmerge.rekey import rekey
 from dsdmerge.resize import OnShapeMismatch
@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("dsdmerge")
-_PARAM_NAMES = "param_names"
 # attributes under which optimizer wrappers keep the torch optimizer they wrap:
 # accelerate's AcceleratedOptimizer (.optimizer), Lightning's LightningOptimizer (._optimizer)
 _WRAPPED = ("optimizer", "_optimizer")
@@ -153,7 +152,7 @@ class _RecordNames:
         groups = state_dict.get(PARAM_GROUPS)
         if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
             return None
-        if all(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+        if all(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups):
             return None  # torch wrote them (an optimizer built from named parameters)
         names = _names_of(optimizer, self.fqn_of)
         if None in names:  # the model changed after registration: look again, once
@@ -170,10 +169,10 @@ class _RecordNames:
             )
         out = []
         for group, found in zip(groups, names, strict=True):
-            if found is None or not isinstance(group, Mapping) or _PARAM_NAMES in group:
+            if found is None or not isinstance(group, Mapping) or PARAM_NAMES in group:
                 out.append(group)
             else:
-                out.append({**group, _PARAM_NAMES: found})
+                out.append({**group, PARAM_NAMES: found})
         return {**state_dict, PARAM_GROUPS: out}
 
 
@@ -327,8 +326,8 @@ class LoadHook:
         }
         # param_names the live optimizer does not hold stay out (torch would store them)
         for group, live in zip(loadable[PARAM_GROUPS], optimizer.param_groups, strict=True):
-            if _PARAM_NAMES not in live:
-                group.pop(_PARAM_NAMES, None)
+            if PARAM_NAMES not in live:
+                group.pop(PARAM_NAMES, None)
         with self._lock:
             self.diff = plan.diff
             self.loads += 1
@@ -467,9 +466,9 @@ def _int_keyed(sd: Mapping[Any, Any]) -> bool:
 def _has_names(sd: Mapping[Any, Any]) -> bool:
     groups = _groups(sd)
     return bool(groups) and all(
-        isinstance(g.get(_PARAM_NAMES), (list, tuple))
+        isinstance(g.get(PARAM_NAMES), (list, tuple))
         and isinstance(g.get(PARAMS), (list, tuple))
-        and len(g[_PARAM_NAMES]) == len(g[PARAMS])
+        and len(g[PARAM_NAMES]) == len(g[PARAMS])
         for g in groups
     )
 
@@ -488,11 +487,7 @@ def _own_empty(optimizer: torch.optim.Optimizer, sd: Mapping[Any, Any]) -> bool:
         ids = group.get(PARAMS)
         if not isinstance(ids, (list, tuple)) or list(ids) != list(range(at, at + n)):
             return False
-        if (
-            _PARAM_NAMES in group
-            and _PARAM_NAMES in live
-            and group[_PARAM_NAMES] != live[_PARAM_NAMES]
-        ):
+        if PARAM_NAMES in group and PARAM_NAMES in live and group[PARAM_NAMES] != live[PARAM_NAMES]:
             return False
         at += n
     return True

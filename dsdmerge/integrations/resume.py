@@ -103,6 +103,7 @@ from dsdmerge.integrations._optim import (
 from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     STATE,
     Layout,
@@ -132,8 +133,6 @@ __all__ = [
     "resume_model",
     "resume_optimizer",
 ]
-
-_PARAM_NAMES = "param_names"
 
 
 def resume_optimizer(
@@ -761,7 +760,7 @@ def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
     groups: list[Any] = []
     for sd in _fqn_keyed_each(plan):
         state.update(sd[STATE])
-        groups.extend({k: v for k, v in g.items() if k != _PARAM_NAMES} for g in sd[PARAM_GROUPS])
+        groups.extend({k: v for k, v in g.items() if k != PARAM_NAMES} for g in sd[PARAM_GROUPS])
     return {STATE: state, PARAM_GROUPS: groups}
 
 
@@ -816,8 +815,8 @@ def _has_param_names(osd: Mapping[Any, Any]) -> bool:
     """Whether every param group carries torch's ``param_names`` (torch >= 2.5), one per param."""
     groups = [g for g in osd[PARAM_GROUPS] if isinstance(g, Mapping)]
     return bool(groups) and all(
-        isinstance(g.get(_PARAM_NAMES), (list, tuple))
-        and len(g[_PARAM_NAMES]) == len(g.get(PARAMS, ()))
+        isinstance(g.get(PARAM_NAMES), (list, tuple))
+        and len(g[PARAM_NAMES]) == len(g.get(PARAMS, ()))
         for g in groups
     )
 
@@ -835,7 +834,7 @@ def _names_moved(osd: Mapping[Any, Any], opts: Sequence[Any], model: Any) -> boo
         return False
     fqn_of = param_fqns(model)
     live = [[_unwrapped(fqn_of.get(id(p), "")) for p in g[PARAMS]] for g in opts[0].param_groups]
-    saved = [[_unwrapped(str(n)) for n in g[_PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
+    saved = [[_unwrapped(str(n)) for n in g[PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
     return live != saved
 
 
@@ -894,12 +893,12 @@ def _without_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     The live optimizer's names are put back when loading.
     """
     groups = osd[PARAM_GROUPS]
-    if not any(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+    if not any(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups):
         return dict(osd)
     return {
         **osd,
         PARAM_GROUPS: [
-            {k: v for k, v in g.items() if k != _PARAM_NAMES} if isinstance(g, Mapping) else g
+            {k: v for k, v in g.items() if k != PARAM_NAMES} if isinstance(g, Mapping) else g
             for g in groups
         ],
     }
