@@ -250,10 +250,11 @@ def _is_id(name: str) -> bool:
 class Renamer:
     """Applies compiled rules to fqns and remembers which rules matched something."""
 
-    def __init__(self, rules: tuple[Rule, ...]) -> None:
+    def __init__(self, rules: tuple[Rule, ...], *, fast: bool = True) -> None:
         self.rules = rules
         self.hit = [False] * len(rules)
         self.example: str | None = None
+        self.fast = fast  # the fast paths for flat keys (see required_literal)
 
     def names(self, names: list[str]) -> list[str]:
         """``names`` renamed, element by element (unchanged ones are the same objects)."""
@@ -288,11 +289,15 @@ def unmatched_text(rules: Sequence[Rule], example: str | None) -> str:
 
 
 def renamed(
-    state_dict: Mapping[Any, Any], rules: tuple[Rule, ...], /
+    state_dict: Mapping[Any, Any], rules: tuple[Rule, ...], /, *, fast: bool = True
 ) -> tuple[dict[Any, Any], list[Rule], str | None]:
-    """``(renamed state dict, unmatched rules, an example fqn)``; see :func:`rename`."""
+    """``(renamed state dict, unmatched rules, an example fqn)``; see :func:`rename`.
+
+    ``fast=False``: the general path only, never the fast paths for flat keys (they
+    give the same result; tests compare the two).
+    """
     require_mapping(state_dict, "the state dict")
-    renamer = Renamer(rules)
+    renamer = Renamer(rules, fast=fast)
     if not rules:
         return _copy(state_dict), [], None
     out = _rename(state_dict, renamer)
@@ -692,7 +697,7 @@ def _rename_flat(
     flat: Mapping[str, Any], renamer: Renamer, path: str, *, has_lists: bool
 ) -> dict[str, Any]:
     keys = list(flat)
-    fast = _fast_renamed_keys(keys, renamer) if FAST_PATHS else None
+    fast = _fast_renamed_keys(keys, renamer) if renamer.fast else None
     if fast is not None:
         new_keys, prefixes = fast
     else:
@@ -809,8 +814,8 @@ def _rename_param_names(
 # flattened form, or a model alone) and the rules almost everybody writes (each a literal,
 # perhaps anchored). They give exactly what the general path gives (tests compare them), in
 # fewer passes over the keys: a rule that needs a literal only touches keys holding it, and
-# a prefix every fqn has is replaced by one str.replace per key.
-FAST_PATHS = True
+# a prefix every fqn has is replaced by one str.replace per key. Renamer(fast=False) takes
+# the general path only.
 
 _LEFT_ANCHORS = ("^", "(?<![^.])")
 _RIGHT_ANCHORS = ("$", "(?![^.])")
