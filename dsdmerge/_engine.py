@@ -17,7 +17,7 @@ Where each rule lives: key alignment in :mod:`dsdmerge._keys`, tensor checks in
 :mod:`dsdmerge._tensors`, param groups in :mod:`dsdmerge._groups` (reading torch's
 flat format with :mod:`dsdmerge._table`), nested trees and their flat keys in
 :mod:`dsdmerge._trees`, the records in :mod:`dsdmerge._records`. Policy decisions
-are made by :mod:`dsdmerge.merge` on the outcome.
+are made on the outcome by :mod:`dsdmerge._verdict`, in :mod:`dsdmerge._pipeline`.
 """
 
 from __future__ import annotations

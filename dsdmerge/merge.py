@@ -8,14 +8,18 @@ reject later reported now, naming the keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from dsdmerge._options import Fresh, MergeOptions
 from dsdmerge._pipeline import Merged, run
+from dsdmerge._verdict import judge
+from dsdmerge._verdict import rename_hint as _rename_hint
+from dsdmerge._verdict import reshaped as _reshaped
 from dsdmerge.convert import Conversions
 from dsdmerge.diff import KeyDiff
-from dsdmerge.policy import Policy, PolicyName
+from dsdmerge.policy import Action, Policy, PolicyName
 from dsdmerge.rename import Rules
 from dsdmerge.resize import OnShapeMismatch
 
@@ -236,3 +240,75 @@ def check(
         on_shape_mismatch=on_shape_mismatch,
     )
     return run(checkpoint, reference, options, stacklevel=2, merge=False).diff
+
+
+# --------------------------------------------------------------------------------------
+# internal names this module used to hold, one release as deprecated aliases
+
+
+def _merge_resolved(
+    checkpoint: Mapping[Any, Any],
+    reference: Mapping[Any, Any],
+    policy: Policy,
+    *,
+    stacklevel: int,
+    rename: Rules | None = None,
+    convert: Conversions | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
+    fresh: Fresh = "reference",
+    max_resize_bytes: int | None = None,
+) -> Merged:
+    """The old ``merge_resolved``: :func:`merge_with_diff` under a resolved policy."""
+    options = MergeOptions.of(
+        policy,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
+        max_resize_bytes=max_resize_bytes,
+    )
+    return run(checkpoint, reference, options, stacklevel=stacklevel)
+
+
+def _apply_policy(
+    outcome: Any,
+    policy: Policy,
+    *,
+    stacklevel: int,
+    extra: Sequence[tuple[Action, str]] = (),
+    on_shape_mismatch: OnShapeMismatch = "raise",
+    renames: tuple[Any, ...] = (),
+    reference: Mapping[Any, Any] | None = None,
+) -> tuple[KeyDiff, tuple[str, ...]]:
+    """The old ``apply_policy``: the verdict on an engine outcome."""
+    return judge(
+        outcome,
+        policy,
+        stacklevel=stacklevel + 1,
+        findings=extra,
+        on_shape_mismatch=on_shape_mismatch,
+        renames=renames,
+        reference=reference,
+    )
+
+
+_DEPRECATED: dict[str, Callable[..., Any]] = {
+    "apply_policy": _apply_policy,
+    "merge_resolved": _merge_resolved,
+    "rename_hint": _rename_hint,
+    "reshaped": _reshaped,
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Internal names this module held, one release as deprecated aliases."""
+    found = _DEPRECATED.get(name)
+    if found is None:
+        raise AttributeError(f"module 'dsdmerge.merge' has no attribute {name!r}")
+    warnings.warn(
+        f"dsdmerge.merge.{name} is internal and goes in the next release; use "
+        "dsdmerge.merge_with_diff or dsdmerge.check, whose KeyDiff says what differs",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return found
