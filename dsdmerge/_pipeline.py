@@ -27,7 +27,7 @@ from dsdmerge._ids import one_spelling
 from dsdmerge._options import MergeOptions
 from dsdmerge._records import KeyDiff, Outcome
 from dsdmerge._verdict import Finding, judge, reshaped, unmatched_rename, unresizable
-from dsdmerge.convert import convert_checkpoint
+from dsdmerge.convert import Conversions, convert_checkpoint
 from dsdmerge.diff import suggest
 from dsdmerge.errors import MergeError
 from dsdmerge.flatten import split_param_key
@@ -43,10 +43,10 @@ from dsdmerge.layout import (
     optimizer_sections,
 )
 from dsdmerge.policy import Action, Policy
-from dsdmerge.rename import renamed
+from dsdmerge.rename import Rule, Rules, compile_rules, renamed
 from dsdmerge.resize import OnShapeMismatch, Resized, held_nbytes, resize, resize_nbytes
 
-__all__ = ["Merged", "run", "verdict"]
+__all__ = ["Merged", "run", "surgery", "verdict"]
 
 
 class Merged(NamedTuple):
@@ -82,12 +82,13 @@ def run(
     """
     policy = options.policy
     checkpoint, reference = one_spelling(checkpoint, reference)
-    findings: list[Finding] = []
-    if options.rename is not None:
-        checkpoint, missed, example = renamed(checkpoint, options.rename)
-        findings += unmatched_rename(policy.unmatched_rename, missed, example)
-    if options.convert is not None:
-        checkpoint = convert_checkpoint(checkpoint, options.convert, stacklevel=stacklevel + 2)
+    checkpoint, findings = surgery(
+        checkpoint,
+        policy,
+        rename=options.rename,
+        convert=options.convert,
+        stacklevel=stacklevel + 1,
+    )
     outcome = compare(
         checkpoint,
         reference,
@@ -128,8 +129,9 @@ def verdict(
 
     Like :func:`~dsdmerge.check` without renames (neither applied nor suggested):
     either side may be a metadata-only view. ``findings``: more findings to report
-    with the others; ``on_shape_mismatch``: as for a merge (by default the options',
-    or ``"raise"``). Raises :class:`~dsdmerge.MergeError` when the policy rejects a
+    with the others (as :func:`surgery` returns them); ``on_shape_mismatch``: as for a
+    merge, ``"resize"`` checked for ranks only (by default the options', or
+    ``"raise"``). Raises :class:`~dsdmerge.MergeError` when the policy rejects a
     difference. Does not modify its inputs.
     """
     if isinstance(policy, MergeOptions):
@@ -139,14 +141,43 @@ def verdict(
         shapes = on_shape_mismatch or "raise"
     checkpoint, reference = one_spelling(checkpoint, reference)
     outcome = compare(checkpoint, reference, merge=False, conflicts=policy.conflict != "ignore")
+    found = list(findings)
+    if shapes == "resize":
+        found += unresizable(outcome, metadata_only=True)
     return judge(
         outcome,
         policy,
         stacklevel=stacklevel + 2,
-        findings=findings,
+        findings=found,
         on_shape_mismatch=shapes,
         reference=reference,
     )[0]
+
+
+def surgery(
+    checkpoint: Mapping[Any, Any],
+    policy: Policy,
+    *,
+    rename: Rules | tuple[Rule, ...] | None,
+    convert: Conversions | None,
+    stacklevel: int,
+    quiet: bool = False,
+) -> tuple[Mapping[Any, Any], list[Finding]]:
+    """``checkpoint`` renamed, then converted (each if given), and the findings about it.
+
+    What ``rename=`` and ``convert=`` of :func:`~dsdmerge.merge` and
+    :func:`~dsdmerge.check` do to the checkpoint side (a view is renamed and converted
+    by shape, without reading any tensor); the findings (rename rules that matched
+    nothing) go to the verdict. ``quiet``: no conversion warnings (a second pass over
+    data whose view was converted already). Does not modify its input.
+    """
+    findings: list[Finding] = []
+    if rename is not None:
+        checkpoint, missed, example = renamed(checkpoint, compile_rules(rename))
+        findings += unmatched_rename(policy.unmatched_rename, missed, example)
+    if convert is not None:
+        checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 2, quiet=quiet)
+    return checkpoint, findings
 
 
 def _carried_out(

@@ -126,8 +126,8 @@ class Rule(NamedTuple):
         return f"{text} (preset {self.preset!r})" if self.preset else text
 
 
-def compile_rules(rules: Rules | None) -> tuple[Rule, ...]:
-    """The rules, compiled and in order; ``()`` for ``None``.
+def compile_rules(rules: Rules | Sequence[Rule] | None) -> tuple[Rule, ...]:
+    """The rules, compiled and in order; ``()`` for ``None``; compiled rules pass through.
 
     Raises:
         RenameError: A pattern that does not compile, a replacement that is not a
