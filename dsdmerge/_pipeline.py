@@ -93,7 +93,7 @@ def run(
         checkpoint,
         reference,
         merge=merge,
-        keep_unexpected=not policy.drop_unexpected,
+        keep_unexpected=not (merge and policy.drop_unexpected),  # a comparison keeps all
         conflicts=policy.conflict != "ignore",
     )
     shapes = options.on_shape_mismatch
