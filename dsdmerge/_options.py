@@ -108,7 +108,3 @@ class MergeOptions:
             fresh,
             max_resize_bytes,
         )
-
-    def replace(self, **changes: object) -> MergeOptions:
-        """A copy with ``changes`` (validated as a new one is)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
