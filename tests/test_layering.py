@@ -66,6 +66,7 @@ LAYERS = [
     "dsdmerge.integrations._dcp_metadata",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
+    "dsdmerge.integrations._dcp_surgery",
     "dsdmerge.integrations.resume",
     "dsdmerge.integrations.hooks",
     "dsdmerge.integrations.lightning",
