@@ -13,6 +13,9 @@ only through these names, so the engine behind them can change freely:
   ``rename=`` / ``convert=`` do it, with the findings :func:`verdict` then reports;
 * :func:`reshaped`: whether a mismatch is a real change of shape (torch rejects it);
 * :func:`copy_tree`: new containers, shared leaves;
+* :func:`normalise_ids` / :func:`respelled_state`: int param ids, and int keys inside
+  a parameter's state, that a DCP round trip spelled as strings made int again
+  (:mod:`dsdmerge._ids`), as every verb reads them;
 * :func:`most_common`: the group rule "the checkpoint group most members come
   from" (:mod:`dsdmerge._groups`), for building a reference the merge agrees with;
 * :data:`MISSING` and :func:`short_repr`: the sentinel for "no value" and the
@@ -29,6 +32,7 @@ from typing import Any
 
 from dsdmerge._engine import run
 from dsdmerge._groups import most_common
+from dsdmerge._ids import normalise_ids, one_spelling, respelled_state
 from dsdmerge._records import KeyDiff, Mismatch
 from dsdmerge._trees import copy_tree
 from dsdmerge._values import MISSING, short_repr
@@ -54,6 +58,8 @@ __all__ = [
     "copy_tree",
     "merge_under",
     "most_common",
+    "normalise_ids",
+    "respelled_state",
     "reshaped",
     "short_repr",
     "surgery",
@@ -107,6 +113,7 @@ def verdict(
     modify its inputs.
     """
     shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, reference = one_spelling(checkpoint, reference)
     outcome = run(checkpoint, reference, merge=False, conflicts=policy.conflict != "ignore")
     extra = list(findings)
     if shapes == "resize":

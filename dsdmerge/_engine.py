@@ -40,7 +40,6 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     layout_of,
     require_mapping,
-    value_types,
 )
 
 __all__ = ["Outcome", "run"]
@@ -72,13 +71,12 @@ def run(
     """
     require_mapping(checkpoint, "checkpoint")
     require_mapping(reference, "reference")
-    # One pass over each side's values serves classify, require_flat and the tensor checks:
-    # a set of the value types, or for the reference (whose tensor positions the flat pass
-    # needs) a code per value when every value has a common leaf type.
-    c_types = value_types(checkpoint)
-    r_codes, r_types = scan(reference)
-    c_layout = layout_of(checkpoint, c_types)
-    r_layout = layout_of(reference, r_types)
+    # One pass over each side's values serves classify, require_flat, the tensor checks and
+    # the group proof: the type of each value (dsdmerge._tensors.scan).
+    c_scan = scan(checkpoint)
+    r_scan = scan(reference)
+    c_layout = layout_of(checkpoint, c_scan.types)
+    r_layout = layout_of(reference, r_scan.types)
     if c_layout is Layout.NESTED and r_layout is Layout.NESTED:
         walk = NestedMerge(merge=merge, keep_unexpected=keep_unexpected, conflicts=conflicts)
         with gc_paused():  # a new dict per parameter, none of them cyclic (see dsdmerge._gc)
@@ -91,7 +89,7 @@ def run(
                 "the reference nested, or merge dsdmerge.flatten(checkpoint) instead."
             )
         checkpoint = flatten(checkpoint)
-        c_types = value_types(checkpoint)
+        c_scan = scan(checkpoint)
     groups = None
     if r_layout is Layout.NESTED:
         if is_optimizer_state_dict(reference):
@@ -101,11 +99,12 @@ def run(
                 if isinstance(g, Mapping) and isinstance(g.get(PARAMS), (list, tuple))
             ]
         reference = flatten(reference)
-        r_codes, r_types = scan(reference)
+        r_scan = scan(reference)
     # both are flat now; _flat checks that their keys are str, on its way through them
+    r_codes = r_scan.picked
     if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
-        r_tt = tensor_like(r_types)
-        r_codes = bytes(map(r_tt.__contains__, map(type, reference.values()))) if r_tt else b""
+        r_tt = tensor_like(r_scan.types)
+        r_codes = bytes(map(r_tt.__contains__, r_scan.kinds)) if r_tt else b""
     else:
         r_tt = KNOWN_TENSOR_TYPES
     return flat_pass(
@@ -118,4 +117,5 @@ def run(
         conflicts=conflicts,
         groups=groups,
         key_prefix=key_prefix,
+        kinds=(c_scan.kinds, r_scan.kinds),
     )

@@ -3,10 +3,12 @@
 What it computes (the plain definition is :mod:`dsdmerge._semantics`): the keys
 missing from the checkpoint and unexpected in it (:mod:`dsdmerge._keys`), the tensor
 pairs that differ in shape or dtype (:mod:`dsdmerge._tensors`), and, when merging,
-``{**reference, **checkpoint}`` in the checkpoint's key order with each backfilled
-``param_groups.*`` key given its group's checkpoint value and group conflicts found
-(:mod:`dsdmerge._groups`). Every key is touched a small constant number of times,
-with no Python frame per key in the common case.
+``{**reference, **checkpoint}`` in the checkpoint's key order, with each missing key
+tied to a checkpoint key given its tensor (:func:`~dsdmerge._tensors.tied`) and every
+param group settled: backfilled ``param_groups.*`` keys given their group's checkpoint
+value, moved members their new group's, conflicts found (:mod:`dsdmerge._groups`;
+first the quick proof that no group can disagree). Every key is touched a small
+constant number of times, with no Python frame per key in the common case.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from operator import contains, is_
 from typing import Any
 
 from dsdmerge._groups import prefixed, proven_consistent, resolve
-from dsdmerge._keys import align, missing_in_union, require_str_keys, union, values_at
+from dsdmerge._keys import (
+    align,
+    at_positions,
+    missing_in_union,
+    require_str_keys,
+    union,
+    values_at,
+)
 from dsdmerge._keys import merged as merged_dict
 from dsdmerge._records import Mismatch, Outcome, Slot
-from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan
+from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan, tied
 from dsdmerge._tensors import mismatches as tensor_mismatches
 from dsdmerge._values import MISSING, tensor_like
-from dsdmerge.layout import PG_PREFIX
+from dsdmerge.layout import PG_PREFIX, holds_hyperparameters, in_section
 
 __all__ = ["flat_pass", "run_flat"]
 
@@ -40,12 +49,15 @@ def flat_pass(
     conflicts: bool,
     groups: list[list[str]] | None,
     key_prefix: str = "",
+    kinds: tuple[list[type], list[type]] | None = None,
 ) -> Outcome:
     """The flat pass: keys aligned, tensors checked, the merged dict built, groups resolved.
 
     ``picked``: 1 per tensor-like value of ``r``, whose types are among
     ``r_tensor_types``; ``groups``: the reference's param groups when it was nested
-    (lists of fqns), else ``None`` (inferred). See the module docstring.
+    (lists of fqns), else ``None`` (inferred); ``kinds``: the type of each value of
+    ``c`` and of ``r``, if known (:func:`~dsdmerge._tensors.scan`). See the module
+    docstring.
     """
     c_key_types: set[type] = set()
     r_key_types: set[type] = set()
@@ -73,13 +85,23 @@ def flat_pass(
     if merge:
         merged = merged_dict(c, r, missing, unexpected, keep_unexpected)
     # the checkpoint's values at the reference's positions (the reference's own where the
-    # checkpoint lacks the key), all of them when group conflicts are looked for
-    at_r: list[Any] | None = list(values_at(c, r, runs, missing)) if conflicts else None
+    # checkpoint lacks the key), all of them when groups are looked at (see _finish)
+    at_r: list[Any] | None = None
+    r_list: list[Any] = []
+    if merge or conflicts:
+        r_list = list(r.values())
+        at_r = at_positions(list(c.values()), r_list, runs)
     if 1 in picked:  # at the reference's tensor positions
         u_vals = list(compress(values_at(c, r, runs, missing) if at_r is None else at_r, picked))
     if u_vals:
-        r_vals = list(compress(r.values(), picked))
+        r_vals = list(compress(r_list or r.values(), picked))
     mismatches = tensor_mismatches(r, picked, u_vals, r_vals, r_tensor_types, key_prefix)
+
+    def conflict_free() -> bool:
+        assert at_r is not None
+        at_kinds = None if kinds is None else (at_positions(kinds[0], kinds[1], runs), kinds[1])
+        return _conflict_free(r, at_r, picked, _holes(runs, len(r)), r_list, at_kinds)
+
     return _finish(
         c,
         r,
@@ -87,10 +109,11 @@ def flat_pass(
         missing,
         unexpected,
         mismatches,
+        picked=picked,
         conflicts=conflicts,
         groups=groups,
         c_at_r=lambda: values_at(c, r, runs, missing, MISSING),
-        conflict_free=None if at_r is None else lambda: _conflict_free(r, at_r, picked),
+        conflict_free=None if at_r is None else conflict_free,
     )
 
 
@@ -132,6 +155,7 @@ def _by_union(
         missing,
         unexpected,
         mismatches,
+        picked=picked,
         conflicts=conflicts,
         groups=groups,
         conflict_free=lambda: _conflict_free(r, list(islice(joined.values(), len(r))), picked),
@@ -146,6 +170,7 @@ def _finish(
     unexpected: list[str],
     mismatches: list[Mismatch],
     *,
+    picked: bytes,
     conflicts: bool,
     groups: list[list[str]] | None,
     c_at_r: Callable[[], Iterable[Any]] | None = None,
@@ -155,7 +180,9 @@ def _finish(
 
     ``c_at_r()``, if the pass can tell: the checkpoint's values at the reference's
     positions, ``MISSING`` where it lacks the key. ``conflict_free()``, if given:
-    whether no group conflict is possible (then none is looked for).
+    whether no param group can have members that disagree (then none is looked at).
+    A merge looks at every group (members that disagree are settled into the result)
+    and so does a pass asked for ``conflicts``; a plain comparison looks at none.
     """
     outcome = Outcome(merged, missing, unexpected, mismatches)
     if merged is not None:
@@ -163,14 +190,47 @@ def _finish(
             m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
             for m in mismatches
         }
-    if conflicts and conflict_free is not None and conflict_free():
-        conflicts = False  # proven: no group can have members that disagree
+    if missing:
+        _tie(r, missing, picked, outcome)
+    detect = merged is not None or conflicts
+    if detect and conflict_free is not None and conflict_free():
+        detect = False  # proven: no group can have members that disagree
     backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
-    if backfilled or (conflicts and any(map(str.startswith, c, repeat(PG_PREFIX)))):
-        resolve(c, r, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
-    if missing or conflicts:
-        prefixed(c, r, outcome, conflicts=conflicts)
+    if backfilled or (detect and any(map(str.startswith, c, repeat(PG_PREFIX)))):
+        resolve(
+            c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts, c_at_r=c_at_r
+        )
+    if missing or detect:
+        prefixed(c, r, outcome, detect=detect, conflicts=conflicts)
     return outcome
+
+
+def _tie(r: Mapping[str, Any], missing: list[str], picked: bytes, outcome: Outcome) -> None:
+    """Missing keys whose reference tensor is a key's the checkpoint has take its tensor.
+
+    Tied weights (:func:`~dsdmerge._tensors.tied`): loading the result then writes the
+    checkpoint's tensor through both keys, whatever their order (a fresh copy would
+    overwrite the trained one). Not for a flattened optimizer's keys.
+    """
+    memo: dict[str, bool] = {}
+
+    def holds(prefix: str) -> bool:
+        if prefix not in memo:
+            memo[prefix] = holds_hyperparameters(r, prefix)
+        return memo[prefix]
+
+    pairs = tied(r, missing, picked, lambda key: not in_section(r, key, holds))
+    merged = outcome.merged
+    for key, source in pairs:
+        if merged is not None:
+            merged[key] = merged[source]
+            outcome.ties.append((key, source, partial(merged.__setitem__, key)))
+        else:
+            outcome.ties.append((key, source, _nowhere))
+
+
+def _nowhere(value: Any) -> None:
+    """Where a value of a comparison that builds nothing goes."""
 
 
 def run_flat(
@@ -183,10 +243,11 @@ def run_flat(
     key_prefix: str = "",
 ) -> Outcome:
     """:func:`flat_pass` of two flat mappings (a flat sub-dict pair of a nested walk)."""
-    r_codes, r_types = scan(r)
+    r_scan = scan(r)
+    r_codes = r_scan.picked
     if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
-        r_tt = tensor_like(r_types)
-        r_codes = bytes(map(r_tt.__contains__, map(type, r.values()))) if r_tt else b""
+        r_tt = tensor_like(r_scan.types)
+        r_codes = bytes(map(r_tt.__contains__, r_scan.kinds)) if r_tt else b""
     else:
         r_tt = KNOWN_TENSOR_TYPES
     return flat_pass(
@@ -206,22 +267,50 @@ _INVERT = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 _PG = "param_groups."  # in every hyperparameter key, top-level or under a prefix
 
 
-def _conflict_free(r: Mapping[str, Any], at_r: list[Any], picked: bytes) -> bool:
+def _holes(runs: list[tuple[int, int, int]], n: int) -> list[int]:
+    """The reference positions no run of :func:`~dsdmerge._keys.align` covers (missing keys)."""
+    out: list[int] = []
+    at = 0
+    for _, j, length in runs:
+        out += range(at, j)
+        at = j + length
+    out += range(at, n)
+    return out
+
+
+def _conflict_free(
+    r: Mapping[str, Any],
+    at_r: list[Any],
+    picked: bytes,
+    holes: list[int] | None = None,
+    r_list: list[Any] | None = None,
+    kinds: tuple[list[type], list[type]] | None = None,
+) -> bool:
     """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
 
-    ``at_r``: the checkpoint's value at each reference position. A hyperparameter
-    held as a tensor (some optimizers take a tensor ``lr``) is not covered: when a
-    tensor's key names param groups, nothing is proven.
+    ``at_r``: the checkpoint's value at each reference position; ``holes``, if known:
+    the positions where the checkpoint lacks the key (its value there is the
+    reference's); ``r_list``: ``r``'s values, if made; ``kinds``: the types of
+    ``at_r``'s and ``r``'s values, if known. A hyperparameter held as a tensor (some
+    optimizers take a tensor ``lr``) is not covered: when a tensor's key names param
+    groups, nothing is proven.
     """
     if len(picked) != len(r):  # no tensor-like type at all (see _engine.run)
         picked = bytes(len(r))
     first = picked.find(0)
     if first < 0:
         first = len(r)
+    tail_holes = None
+    tail_kinds = None
     if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
         tensor_keys: Iterable[str] = islice(r, first)
-        r_vals, c_vals = list(islice(r.values(), first, None)), at_r[first:]
+        r_vals = (r_list or list(r.values()))[first:]  # (faster than an islice)
+        c_vals = at_r[first:]
         keys: Iterable[str] = islice(r, first, None)
+        if holes is not None:
+            tail_holes = [p - first for p in holes if p >= first]
+        if kinds is not None:
+            tail_kinds = (kinds[1][first:], kinds[0][first:])
     else:
         others = picked.translate(_INVERT)
         tensor_keys = compress(r, picked)
@@ -229,7 +318,7 @@ def _conflict_free(r: Mapping[str, Any], at_r: list[Any], picked: bytes) -> bool
         keys = compress(r, others)
     if any(map(contains, tensor_keys, repeat(_PG))):
         return False
-    return proven_consistent(r_vals, c_vals, _period(keys))
+    return proven_consistent(r_vals, c_vals, _period(keys), holes=tail_holes, kinds=tail_kinds)
 
 
 def _period(keys: Iterable[str]) -> int:

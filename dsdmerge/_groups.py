@@ -1,74 +1,110 @@
 """Param groups: membership, consistent hyperparameters, backfill, moved parameters.
 
-Every rule about param groups is decided here, in one place:
+Every rule about param groups is decided here, in one place. torch's loaders give
+a whole group the hyperparameters of one member (``set_optimizer_state_dict`` of a
+flat dict reads each live group's first member; its checks read no other), so a
+merge must leave every group's members agreeing.
 
+* **Sections.** Only flattened optimizers have param groups: a prefix ``P`` whose
+  ``P param_groups.<fqn>.<name>`` values hold a hyperparameter, not only tensors
+  (:func:`~dsdmerge.layout.is_optimizer_section`). A model whose modules are named
+  ``param_groups`` is a model.
 * **Membership.** A flat state dict does not store groups. They are the
   reference's own when it was nested (*given* groups), else *inferred*: the
   parameters whose reference hyperparameters are all equal (:func:`inferred_rows`,
   :func:`equal_hyperparameters`), in order of first appearance.
-* **A backfilled hyperparameter takes its group's checkpoint value.** Flat
-  (:func:`backfill`): a ``param_groups.<fqn>.<hp>`` key the checkpoint lacks takes
-  the value the checkpoint's members of ``fqn``'s group hold (:func:`group_value`);
-  the reference's own value only when no member has one. When the members
-  disagree: with given groups the most common value, the first on a tie
-  (:func:`majority`: members moved in from another group are the minority); with
-  inferred groups no value is picked and the merge is refused (:func:`ambiguous`:
-  the inference may have joined two groups scheduled apart). Nested
-  (:func:`merge_groups`, where both sides' groups are known): a reference group
-  takes all its hyperparameters from its *home* checkpoint group
+* **Flat: one value per group and hyperparameter** (:func:`settle_groups`). For each
+  group and hyperparameter, the checkpoint values of its members, in the
+  reference's order. When they agree (:func:`group_value`), members the checkpoint
+  lacks the key for (backfilled keys) take that value; when no member has one, the
+  reference's value stays. When they *disagree* (:func:`settle`):
+
+  - a member *moved in* from another group when every hyperparameter it holds is
+    the value most of that group's members hold (:func:`moved_in`);
+  - the group takes the value most of its members hold, leaving out values only
+    moved members hold (unless every value is such), the first member's in the
+    reference's order on a tie;
+  - backfilled keys take it; so does every member holding another value when the
+    groups are given, and with inferred groups only moved members (the others may
+    be a second group the inference could not tell from this one: two groups built
+    alike and scheduled apart; they keep their values, and torch gives each real
+    group its first member's);
+  - the group is reported (:func:`disagreement`: every value held, by whom, what
+    changed): the policy's ``conflict`` action decides (default and warn warn,
+    strict raises). The merged result does not depend on that action.
+
+  A consistent checkpoint is usually proven so without finding the groups
+  (:func:`proven_consistent`); only then is the exact check skipped.
+* **Nested** (:func:`merge_groups`, where both sides' groups are known): a reference
+  group takes all its hyperparameters from its *home* checkpoint group
   (:func:`home_group`: the one at the same position when some member comes from it,
   as ``Optimizer.load_state_dict`` pairs groups, else the one most members come
-  from), and the reference's values for names that group lacks.
-* **Consistency.** Checkpoint members of one group that disagree on a
-  hyperparameter are a *conflict* (torch silently keeps the first member's value
-  for the whole group): :func:`conflict` names them. A consistent checkpoint is
-  usually proven so without finding the groups (:func:`proven_consistent`).
-  Nested, a member in another
-  checkpoint group than its reference group's home group has *moved*, and takes
-  its new group's hyperparameters.
+  from), and the reference's values for names that group lacks. A member in
+  another checkpoint group has *moved*: it takes its new group's hyperparameters,
+  reported (naming each one that changes, old -> new) as a conflict.
 * **Int-keyed optimizers** map parameters by position: their group counts and
   sizes must agree (:func:`merge_groups` reports it as a problem, a refusal).
 
 How: the flat rules run on columns of a :class:`~dsdmerge._table.PgTable` when the
 reference's keys have torch's shape (identity bit masks against a few template
-rows; conflicts by column with ``is`` before value equality), else key by key
-(:func:`_resolve_by_keys`); both give the same results. Flattened optimizers
-under a prefix (``optim.param_groups.*`` in a flattened whole checkpoint) get the
-same treatment (:func:`prefixed`).
+rows), else key by key (:func:`_resolve_by_keys`); both give the same results.
+Flattened optimizers under a prefix (``optim.param_groups.*`` in a flattened whole
+checkpoint) get the same treatment (:func:`prefixed`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import compress, count, filterfalse, islice, pairwise, repeat
 from operator import contains, is_, is_not, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsdmerge._records import Outcome
 from dsdmerge._table import PgTable, parse_groups
 from dsdmerge._trees import copy_group
-from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
+from dsdmerge._values import (
+    MISSING,
+    freeze,
+    is_tensor_like,
+    key_str,
+    same_value,
+    short_repr,
+)
 from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, PG_PREFIX, STATE, group_items
+from dsdmerge.layout import (
+    PARAM_GROUPS,
+    PARAMS,
+    PG_PREFIX,
+    STATE,
+    group_items,
+    optimizer_sections,
+    section_prefixes,
+)
+from dsdmerge.report import compress as compress_keys
 
 __all__ = [
     "DISAGREE",
     "NESTED_PG",
-    "ambiguous",
+    "Settled",
     "backfill",
-    "conflict",
+    "disagreement",
     "equal_hyperparameters",
-    "group_prefix",
     "group_value",
     "home_group",
     "inferred_rows",
     "majority",
     "merge_groups",
     "most_common",
+    "moved_in",
     "prefixed",
     "proven_consistent",
     "resolve",
+    "settle",
+    "settle_all",
+    "settle_groups",
+    "value_classes",
     "twice",
 ]
 
@@ -86,25 +122,16 @@ def group_value(values: list[Any]) -> Any:
     if not present:
         return MISSING
     first = present[0]
-    if all(map(is_, present, repeat(first))) or all(same_value(first, v) for v in present):
+    n = len(present)
+    if list(map(type, present)).count(type(first)) == n:
+        if type(first) in _EXACT and first == first:  # (NaN is never == itself)
+            # values of one plain type are same_value exactly when == (in C, identity first)
+            return first if present.count(first) == n else DISAGREE
+        if all(map(is_, present, repeat(first))):
+            return first
+    if all(same_value(first, v) for v in present):
         return first
     return DISAGREE
-
-
-def majority(values: list[Any]) -> Any:
-    """The most common present value (by equality; the first of them on a tie)."""
-    kinds: list[list[Any]] = []  # [representative, count]
-    for v in values:
-        if v is MISSING:
-            continue
-        for kind in kinds:
-            if kind[0] is v or same_value(kind[0], v):
-                kind[1] += 1
-                break
-        else:
-            kinds.append([v, 1])
-    best = max(kind[1] for kind in kinds)
-    return next(kind[0] for kind in kinds if kind[1] == best)
 
 
 def most_common(owners: list[int | None]) -> int | None:
@@ -131,33 +158,321 @@ def home_group(position: int, owners: list[int | None]) -> int | None:
     return position if position in owners else most_common(owners)
 
 
-def ambiguous(index: int, name: str, members: list[str], values: list[Any], key: str) -> str:
-    shown: list[tuple[str, Any]] = []
-    for member, v in zip(members, values, strict=True):
-        if v is not MISSING and not any(same_value(v, seen) for _, seen in shown):
-            shown.append((member, v))
-        if len(shown) == 2:
+class Settled(NamedTuple):
+    """How one param group's members that disagree on a hyperparameter are settled.
+
+    ``classes``: the positions (in the group's member order) of the members holding
+    each distinct value, in order of first holder; ``values``: one value per class
+    (its first holder's object); ``moved``: per class, whether every holder moved in
+    from another group; ``chosen``: the class whose value the group takes;
+    ``movers``: the members of the other classes that moved in; ``changed``, once
+    the whole merge is settled (:func:`settle_all`): the members whose value changed.
+    """
+
+    classes: list[list[int]]
+    values: list[Any]
+    moved: list[bool]
+    chosen: int
+    movers: frozenset[int]
+    changed: frozenset[int] | None = None
+
+    @property
+    def value(self) -> Any:
+        return self.values[self.chosen]
+
+    def others(self) -> list[int]:
+        """The members holding another value than the group's, in member order."""
+        return sorted(at for i, ats in enumerate(self.classes) if i != self.chosen for at in ats)
+
+    def rewritten(self, *, inferred: bool) -> list[int]:
+        """The members that take the group's value instead of their own, in member order.
+
+        Every member holding another value when the groups are given; with inferred
+        groups only those that moved in (evident: their values are another group's),
+        since the others may be a second group the inference could not tell apart.
+        """
+        if self.changed is not None:
+            return sorted(self.changed)
+        return [at for at in self.others() if not inferred or at in self.movers]
+
+
+def value_classes(values: list[Any]) -> tuple[list[list[int]], list[Any]]:
+    """The positions holding each distinct present value, and each one's first holder's value.
+
+    Distinct as :func:`~dsdmerge._values.same_value` says, in order of first holder.
+    """
+    classes: list[list[int]] = []
+    reps: list[Any] = []
+    keys: dict[Any, int] = {}
+    for at, v in enumerate(values):
+        if v is MISSING:
+            continue
+        key = _class_key(v)
+        i = keys.get(key)
+        if i is None:
+            keys[key] = i = len(reps)
+            reps.append(v)
+            classes.append([])
+        classes[i].append(at)
+    return classes, reps
+
+
+def settle(
+    values: list[Any],
+    moved: Callable[[int], bool],
+    classes: tuple[list[list[int]], list[Any]] | None = None,
+) -> Settled:
+    """Settle a param group's checkpoint values for one hyperparameter, when they disagree.
+
+    ``values``: each member's checkpoint value, in the reference's member order
+    (``MISSING`` where the checkpoint has none); ``moved(at)``: whether member ``at``
+    moved in from another group (:func:`moved_in`); ``classes``: the
+    :func:`value_classes` of ``values``, if known. The group takes the value most of
+    its members hold, leaving out values only moved members hold (unless every value
+    is such); the first member's on a tie.
+    """
+    by_value, reps = value_classes(values) if classes is None else classes
+    known: dict[int, bool] = {}
+
+    def is_moved(at: int) -> bool:
+        if at not in known:
+            known[at] = moved(at)
+        return known[at]
+
+    all_moved = [all(map(is_moved, ats)) for ats in by_value]  # (stops at one that stayed)
+    pool = [i for i in range(len(reps)) if not all_moved[i]] or list(range(len(reps)))
+    chosen = max(pool, key=lambda i: len(by_value[i]))  # max keeps the first of equal counts
+    movers = frozenset(
+        at for i, ats in enumerate(by_value) if i != chosen for at in ats if is_moved(at)
+    )
+    return Settled(by_value, reps, all_moved, chosen, movers)
+
+
+def settle_all(
+    held: Mapping[tuple[int, str], list[Any]],
+    agreed: Mapping[tuple[int, str], Any],
+    names: list[list[str]],
+    fillable: Mapping[tuple[int, str], list[int]],
+    *,
+    inferred: bool,
+) -> dict[tuple[int, str], tuple[Settled, list[Any]]]:
+    """Every group and hyperparameter whose members disagree, settled: the report and values.
+
+    ``held``: each (group, name)'s member values; ``agreed``: its :func:`group_value`;
+    ``names``: each group's hyperparameters; ``fillable``: the members whose key the
+    checkpoint lacks (and the reference has). Rounds of :func:`settle` until nothing
+    changes, each on what the rounds before wrote (so that merging the result again
+    changes nothing): whether a member moved in is told against each other group's
+    usual values (the value its members agree on, else the one most of them hold);
+    the members lacking a value take the group's, and so do those
+    :meth:`Settled.rewritten` gives. Returns, per (group, name) that disagreed, the
+    report (the checkpoint's classes, the value taken, who moved in, who changed)
+    and every member's value after the merge.
+    """
+    torn = [place for place, value in agreed.items() if value is DISAGREE]
+    if not torn:
+        return {}
+    work = {place: list(held[place]) for place in torn}
+    groups = {index for index, _ in torn}
+    for place, value in agreed.items():  # their groups' other values, backfilled as the merge does
+        if place[0] in groups and value is not DISAGREE:
+            work[place] = list(held[place])
+            if value is not MISSING:
+                for at in fillable.get(place, []):
+                    work[place][at] = value
+    moved_in_any: dict[tuple[int, str], set[int]] = {place: set() for place in torn}
+    chosen: dict[tuple[int, str], Any] = {}
+    for _ in range(2 * len(names) + 2):  # (a guard: rounds stop when nothing changes)
+        usual: list[dict[str, Any]] = [{} for _ in names]
+        for (index, name), value in agreed.items():
+            if value is DISAGREE:
+                now = group_value(work[index, name])
+                usual[index][name] = majority(work[index, name]) if now is DISAGREE else now
+            elif value is not MISSING:
+                usual[index][name] = value
+        writes: list[tuple[tuple[int, str], list[int], Any]] = []
+        for index, name in torn:
+            values = work[index, name]
+            now = group_value(values)
+            if now is not DISAGREE:  # settled by an earlier round
+                chosen[index, name] = now
+                writes.append(((index, name), fillable.get((index, name), []), now))
+                continue
+            others = usual[:index] + usual[index + 1 :]
+            rows = {n: work[index, n] for n in names[index]}
+            settled = settle(values, partial(_moved_member, rows, others))
+            moved_in_any[index, name] |= settled.movers
+            chosen[index, name] = settled.value
+            ats = fillable.get((index, name), []) + settled.rewritten(inferred=inferred)
+            writes.append(((index, name), ats, settled.value))
+        changed = False
+        for place, ats, value in writes:
+            values = work[place]
+            for at in ats:
+                if values[at] is not value:
+                    values[at] = value
+                    changed = True
+        if not changed:
             break
-    (a, va), (b, vb) = shown
-    return (
-        f"param group {index} (inferred from equal reference hyperparameters): its checkpoint "
-        f"members disagree on {name!r} ({a} has {short_repr(va)}, {b} has {short_repr(vb)}), "
-        f"so it may be two groups scheduled apart and the value for {key!r} cannot be told. "
-        "Pass the reference nested (get_optimizer_state_dict without "
-        "flatten_optimizer_state_dict), so that the true groups are known."
+    out: dict[tuple[int, str], tuple[Settled, list[Any]]] = {}
+    for place in torn:
+        original, final = held[place], work[place]
+        classes, reps = value_classes(original)
+        key = _class_key(chosen[place])
+        pick = next((i for i, v in enumerate(reps) if _class_key(v) == key), 0)
+        movers = moved_in_any[place]
+        changed_at = frozenset(
+            at
+            for at, (was, now) in enumerate(zip(original, final, strict=True))
+            if was is not MISSING and now is not was and not same_value(was, now)
+        )
+        report = Settled(
+            classes,
+            reps,
+            [all(at in movers for at in ats) for ats in classes],
+            pick,
+            frozenset(movers),
+            changed_at,
+        )
+        out[place] = (report, final)
+    return out
+
+
+def _moved_member(rows: Mapping[str, list[Any]], others: list[dict[str, Any]], at: int) -> bool:
+    """:func:`moved_in` for member ``at`` of a group (``rows``: its values, per name)."""
+    pairs = ((name, values[at]) for name, values in rows.items())
+    return moved_in([(n, v) for n, v in pairs if v is not MISSING], others)
+
+
+def majority(values: list[Any]) -> Any:
+    """The value most present ``values`` hold (the first of them on a tie), or ``MISSING``."""
+    counts: dict[Any, list[Any]] = {}  # class key -> [first value, count]
+    for v in values:
+        if v is not MISSING:
+            entry = counts.setdefault(_class_key(v), [v, 0])
+            entry[1] += 1
+    if not counts:
+        return MISSING
+    best = max(n for _, n in counts.values())
+    return next(v for v, n in counts.values() if n == best)
+
+
+def moved_in(row: Iterable[tuple[str, Any]], usual: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a member's checkpoint hyperparameters (``row``: name, value) are another group's.
+
+    ``usual``: for each other param group, the value most of its members hold, per
+    name (:func:`majority`; names none of them holds absent). A member that moved in
+    from such a group holds, for every hyperparameter it has, that group's value.
+    """
+    items = list(row)
+    return bool(items) and any(
+        all(name in values and same_value(v, values[name]) for name, v in items) for values in usual
     )
 
 
-def conflict(group: str, name: str, first: tuple[str, Any], other: tuple[str, Any]) -> str:
-    """The report of two checkpoint members of a param group that disagree on ``name``."""
-    return (
-        f"param group {group}: checkpoint members disagree on {name!r}: {first[0]} has "
-        f"{short_repr(first[1])}, {other[0]} has {short_repr(other[1])}; "
-        "torch keeps the first member's value for the whole group"
+def _class_key(value: Any) -> Any:
+    """A hashable key equal for values :func:`~dsdmerge._values.same_value` calls equal."""
+    key = freeze(value)
+    try:
+        hash(key)
+        key == key  # noqa: B015  (an exotic __eq__ may raise)
+    except Exception:  # noqa: BLE001
+        return ("id", id(value))
+    return key
+
+
+def _params(fqns: list[str]) -> str:
+    """Parameters as compressed patterns (at most three shown), e.g. ``layers.{0..3}.bias``."""
+    try:
+        patterns = compress_keys(fqns, max_parts=16)
+    except Exception:  # noqa: BLE001  (an fqn the patterns cannot spell: plain names)
+        return ", ".join(map(repr, fqns[:3])) + (
+            f" and {len(fqns) - 3} more" if len(fqns) > 3 else ""
+        )
+    shown = ", ".join(repr(str(p)) for p in patterns[:3])
+    rest = sum(p.count for p in patterns[3:])
+    count = f" ({len(fqns)} parameters)" if len(fqns) > 1 else ""
+    return shown + (f" and {rest} more" if rest else "") + count
+
+
+def disagreement(
+    group: str,
+    name: str,
+    members: list[str],
+    settled: Settled,
+    *,
+    inferred: bool,
+    backfilled: list[str],
+) -> str:
+    """The report of a param group whose checkpoint members disagree on ``name``.
+
+    ``members``: the group's member fqns (positions as in ``settled``); ``backfilled``:
+    the members whose ``name`` the checkpoint lacks (they take the group's value).
+    """
+    value = short_repr(settled.value)
+    held = "; ".join(
+        f"{short_repr(v)} held by {_params([members[at] for at in ats])}"
+        + (" (moved in: another param group's values)" if moved else "")
+        for v, ats, moved in zip(settled.values, settled.classes, settled.moved, strict=True)
     )
+    text = f"param group {group}: its checkpoint members disagree on {name!r}: {held}"
+    rewritten = set(settled.rewritten(inferred=inferred))
+    changes = [
+        f"{_params([members[at] for at in ats if at in rewritten])} {short_repr(v)} -> {value}"
+        for v, ats in zip(settled.values, settled.classes, strict=True)
+        if any(at in rewritten for at in ats)
+    ]
+    text += f"; the group takes {value}" + (f": {', '.join(changes)}" if changes else "")
+    if backfilled:
+        text += f"; backfilled {_params(backfilled)} take it"
+    left = [at for at in settled.others() if at not in rewritten]
+    if left:
+        text += (
+            f"; {_params([members[at] for at in left])} keep their own value, as the group "
+            "is inferred from equal reference values and may be two param groups scheduled "
+            "apart (torch gives a whole group its first member's value): pass the reference "
+            "nested (get_optimizer_state_dict without flatten_optimizer_state_dict) so that "
+            "the true groups are known"
+        )
+    return text
 
 
-def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> bool:
+def _filled(
+    c_values: list[Any],
+    k: int,
+    blocks: list[tuple[int, int]],
+    holes: list[int],
+    absent: set[tuple[int, int]],
+) -> list[Any]:
+    """A copy of ``c_values`` with each hole holding its block's value for that column.
+
+    The value is the one at the block's first row that has the column; a (block,
+    column) that no row has goes into ``absent`` (its holes hold ``None``).
+    """
+    out = list(c_values)
+    gone = set(holes)
+    starts = [start for start, _ in blocks]
+    for p in holes:
+        row, j = divmod(p, k)
+        b = bisect_right(starts, row) - 1
+        start, end = blocks[b]
+        at = next((q for q in range(start * k + j, end * k, k) if q not in gone), None)
+        if at is None:
+            absent.add((start, j))
+            out[p] = None
+        else:
+            out[p] = c_values[at]
+    return out
+
+
+def proven_consistent(
+    r_values: list[Any],
+    c_values: list[Any],
+    period: int,
+    *,
+    holes: list[int] | None = None,
+    kinds: tuple[list[type], list[type]] | None = None,
+) -> bool:
     """Whether no param group can have checkpoint members that disagree: a quick proof.
 
     ``r_values`` and ``c_values`` are the two sides' values at the same positions,
@@ -174,8 +489,14 @@ def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> 
     hyperparameter), each slice cut into runs of one reference object; a run whose
     checkpoint values are all equal (one object, or ``==`` between values of one
     plain scalar type) is summarised by one (reference, checkpoint) pair, and the
-    pairs of equal reference values must have equal checkpoint values.
+    pairs of equal reference values must have equal checkpoint values. First, when
+    the values have torch's shape, the same by blocks of rows (:func:`_proven_by_blocks`),
+    where ``holes`` (positions the checkpoint lacks, in order) are left out;
+    ``kinds``, if known: the types of ``r_values`` and ``c_values``.
     """
+    by_blocks = _proven_by_blocks(r_values, c_values, period, holes or [], kinds)
+    if by_blocks is not None:
+        return by_blocks
     pairs: list[tuple[Any, Any]] = []
     try:
         for j in range(period):
@@ -215,6 +536,124 @@ def proven_consistent(r_values: list[Any], c_values: list[Any], period: int) -> 
 # Values of these types that are == and of one type are same_value (NaN is never == itself).
 _EXACT = frozenset({float, int, bool, str, type(None)})
 _PROOF_RUNS = 4096  # runs summarised at most: beyond, the exact check is cheaper
+_BLOCKS = 256  # blocks of equal reference rows the block proof takes at most
+
+
+def _plain(value: Any) -> bool:
+    """A value the block proof reads: a plain scalar, or a short flat tuple of them."""
+    tp = type(value)
+    return tp in _EXACT or (
+        tp is tuple and len(value) <= 16 and all(type(x) in _EXACT for x in value)
+    )
+
+
+def _proven_by_blocks(
+    r_values: list[Any],
+    c_values: list[Any],
+    k: int,
+    holes: list[int],
+    kinds: tuple[list[type], list[type]] | None = None,
+) -> bool | None:
+    """:func:`proven_consistent` by blocks of rows, in C-level list comparisons.
+
+    The positions are rows of ``k`` (torch's layout: one row per parameter), and the
+    reference's rows come in blocks of equal rows (a param group's members share
+    their value objects, and torch writes a group's members one after another).
+    Each block's reference rows are found by galloping comparisons of slices with
+    its first row repeated (``==``, identity first), and must have its first row's
+    types; its checkpoint rows must equal the checkpoint's first row of the block
+    (``==``, then the types; tuples' items by their distinct objects). Plain values
+    only (scalars and short flat tuples of them, where ``==`` of one type is
+    same_value, NaN aside, which ``==`` never joins). Then the first rows' positions
+    whose reference values are same_value (in any column: the condition is name-free)
+    must hold same_value checkpoint values. At a hole (a position the checkpoint
+    lacks, where no member holds a value) the block's value for that column stands
+    in, from its first row that has one. ``kinds``: the two sides' types, if known
+    (else one pass makes them). ``True``: proven; ``False``: not proven (the exact
+    check decides); ``None``: not this shape (the run-by-run proof tries).
+    """
+    n = len(r_values)
+    if not n or k < 1 or n % k or len(c_values) != n:
+        return None
+    rows = n // k
+    r_kinds, c_kinds = kinds if kinds is not None else (None, None)
+    try:
+        blocks: list[tuple[int, int]] = []
+        r_types: list[type] = []  # what the types must be, block by block
+        start = 0
+        while start < rows:
+            if len(blocks) == _BLOCKS:
+                return None
+            row = r_values[start * k : (start + 1) * k]
+            if not all(map(_plain, row)):
+                return None
+            end = _rows_like(r_values, row, k, start + 1, rows)
+            blocks.append((start, end))
+            r_types += list(map(type, row)) * (end - start)
+            start = end
+        if (r_kinds if r_kinds is not None else list(map(type, r_values))) != r_types:
+            return None  # equal values of other types in a block: the run-by-run proof
+        absent: set[tuple[int, int]] = set()  # (block start, column) no checkpoint row holds
+        if holes:
+            c_values = _filled(c_values, k, blocks, holes, absent)
+            if c_kinds is not None:
+                c_kinds = list(c_kinds)
+                for p in holes:
+                    c_kinds[p] = type(c_values[p])
+        c_types: list[type] = []
+        tuples: list[tuple[int, int, int]] = []  # (block start, end, column) holding tuples
+        for start, end in blocks:
+            row = c_values[start * k : (start + 1) * k]
+            if not all(map(_plain, row)):
+                return None
+            if c_values[start * k : end * k] != row * (end - start):
+                return False
+            c_types += list(map(type, row)) * (end - start)
+            tuples += [(start, end, j) for j, v in enumerate(row) if type(v) is tuple]
+        if (c_kinds if c_kinds is not None else list(map(type, c_values))) != c_types:
+            return False
+        for start, end, j in tuples:  # == says nothing of the items' types: each object once
+            column = c_values[start * k + j : end * k : k]
+            ids = set(map(id, column))
+            if len(ids) == 1:
+                continue  # one object
+            if len(ids) > 64:
+                return False
+            distinct = {id(v): v for v in column}
+            if not all(same_value(column[0], v) for v in distinct.values()):
+                return False
+        held: dict[Any, Any] = {}  # (name-free, as proven_consistent: any columns)
+        for j in range(k):
+            for start, _ in blocks:
+                if (start, j) in absent:
+                    continue
+                cv = c_values[start * k + j]
+                first = held.setdefault(_class_key(r_values[start * k + j]), cv)
+                if first is not cv and not same_value(first, cv):
+                    return False
+    except Exception:  # an exotic value (its == or hash raises): not this shape  # noqa: BLE001
+        return None
+    return True
+
+
+def _rows_like(values: list[Any], row: list[Any], k: int, start: int, rows: int) -> int:
+    """The end of the run of rows from ``start`` that equal ``row`` (galloping, then bisecting)."""
+    end, step = start, 1
+    while end < rows:
+        step = min(step, rows - end)
+        if values[end * k : (end + step) * k] == row * step:
+            end += step
+            step *= 2
+            continue
+        while step > 1:  # the first row unlike ``row`` is among the next ``step``
+            half = step // 2
+            if values[end * k : (end + half) * k] == row * half:
+                end += half
+                step -= half
+            else:
+                step = half
+        break
+    return end
 
 
 # --------------------------------------------------------------------------------------
@@ -282,7 +721,7 @@ def inferred_rows(table: PgTable) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------
-# flat state dicts: backfill and conflicts
+# flat state dicts: backfill, moved members and conflicts
 
 
 def resolve(
@@ -292,20 +731,38 @@ def resolve(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
     c_at_r: Callable[[], Iterable[Any]] | None = None,
 ) -> None:
-    """Group-consistent values for backfilled ``param_groups.*`` keys, and conflicts.
+    """Group-consistent ``param_groups.*`` values: backfills, moved members, conflicts.
 
+    Only when ``r``'s ``param_groups.*`` keys are a flattened optimizer's (some value
+    is a hyperparameter, not a tensor: see :mod:`dsdmerge.layout`). ``detect``: look
+    at every group for members that disagree (else only the groups of ``backfilled``
+    keys, whose members are known to agree); ``conflicts``: report those groups.
     By columns when the reference's ``param_groups.*`` keys form a table (every
     parameter with the same hyperparameter names, in the same order: what torch
-    writes), else key by key.
+    writes), else key by key; both give the same results.
     """
     table = PgTable.of(r)
     if table is None:
-        _resolve_by_keys(c, r, groups, backfilled, outcome, conflicts=conflicts)
-    else:
-        _resolve_table(table, c, groups, backfilled, outcome, conflicts=conflicts, c_at_r=c_at_r)
+        _resolve_by_keys(c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts)
+    elif not all(map(is_tensor_like, map(type, table.values))):  # (stops at a hyperparameter)
+        _resolve_table(
+            table,
+            c,
+            groups,
+            backfilled,
+            outcome,
+            detect=detect,
+            conflicts=conflicts,
+            c_at_r=c_at_r,
+        )
+
+
+def _label(index: int, inferred: bool) -> str:
+    return f"{index} (inferred)" if inferred else str(index)
 
 
 def _resolve_table(
@@ -315,17 +772,17 @@ def _resolve_table(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
     c_at_r: Callable[[], Iterable[Any]] | None,
 ) -> None:
     """:func:`_resolve_by_keys`, by the columns of ``table``."""
-    inferred = " (inferred)" if groups is None else ""
     if groups is None:
         rows = inferred_rows(table)
     else:
         row_of = dict(zip(table.fqns, count()))
         rows = [[i for i in map(row_of.get, g) if i is not None] for g in groups]
-    if not backfilled and not conflicts:
+    if not backfilled and not detect:
         return
     # the checkpoint's value at each cell of the table (MISSING where it has none), read by
     # columns below: no key is spelled or hashed
@@ -336,51 +793,107 @@ def _resolve_table(
         if table.order is not None:  # into the table's order (see PgTable.order)
             c_vals = list(map(c_vals.__getitem__, table.order))
     k = len(table.names)
-    if backfilled:
-        fqns = table.fqns
-        col_of = dict(zip(table.names, count()))
+    col_of = dict(zip(table.names, count()))
+    fqns = table.fqns
+    columns = [c_vals[j::k] for j in range(k)]
 
-        def values_of(index: int, name: str) -> list[Any]:
-            return list(map(c_vals[col_of[name] :: k].__getitem__, rows[index]))
+    def values_of(index: int, name: str) -> list[Any]:
+        return list(map(columns[col_of[name]].__getitem__, rows[index]))
 
-        backfill(
-            c,
-            outcome.merged,
-            backfilled,
-            [[fqns[i] for i in members] for members in rows],
-            inferred=groups is None,
-            problems=outcome.problems,
-            values_of=values_of,
-        )
-    if not conflicts:
+    members = [[fqns[i] for i in group] for group in rows]
+    if not detect:
+        backfill(c, outcome.merged, backfilled, members, values_of=values_of)
         return
-    blocks = table.blocks or [(0, len(table.fqns), table.names)]
-    for index, members in enumerate(rows):
-        found: list[tuple[int, int, str]] = []
-        # reported in the order the group's keys name them (its first member's block)
-        names = next((b for first, end, b in blocks if members and first <= members[0] < end), [])
-        place = dict(zip(names, count()))
-        for j, name in enumerate(table.names):
-            column = list(map(c_vals[j::k].__getitem__, members))
-            if column and all(map(is_, column, repeat(column[0]))) and column[0] is not MISSING:
-                continue  # the same object for every member: no conflict
-            first: tuple[int, Any] | None = None
-            for at, value in enumerate(column):
-                if value is MISSING:
-                    continue
-                if first is None:
-                    first = (at, value)
-                elif not same_value(first[1], value):
-                    text = conflict(
-                        f"{index}{inferred}",
-                        name,
-                        (table.fqns[members[first[0]]], first[1]),
-                        (table.fqns[members[at]], value),
-                    )
-                    found.append((at, place.get(name, j), text))
-                    break
-        found.sort(key=itemgetter(0, 1))
-        outcome.conflicts.extend(text for _, _, text in found)
+    blocks = table.blocks or [(0, len(fqns), table.names)]
+
+    def names_of(index: int) -> list[str]:  # in the order its keys name them (its first row's)
+        group = rows[index]
+        return next((b for first, end, b in blocks if group and first <= group[0] < end), [])
+
+    keys = table.keys
+
+    def key_of(index: int, at: int, name: str) -> str:
+        return keys[rows[index][at] * k + col_of[name]]
+
+    settle_groups(
+        members,
+        names_of,
+        values_of,
+        key_of,
+        outcome,
+        inferred=groups is None,
+        conflicts=conflicts,
+    )
+
+
+def settle_groups(
+    members: list[list[str]],
+    names_of: Callable[[int], list[str]],
+    values_of: Callable[[int, str], list[Any]],
+    key_of: Callable[[int, int, str], str | None],
+    outcome: Outcome,
+    *,
+    inferred: bool,
+    conflicts: bool,
+) -> None:
+    """Every group's value for every hyperparameter, written where it is missing or moved.
+
+    ``members``: the groups' member fqns; ``names_of(g)``: group ``g``'s hyperparameters
+    in order; ``values_of(g, name)``: the checkpoint's value for each member
+    (``MISSING`` where it has none); ``key_of(g, at, name)``: the flat key of member
+    ``at``'s value (``None`` when the reference has none: that member has no such
+    hyperparameter). Groups whose members agree give their value to the members that
+    lack one; the others are settled (:func:`settle`) and reported in
+    ``outcome.conflicts`` (when ``conflicts``), group by group, name by name.
+    """
+    merged = outcome.merged
+    agreed: dict[tuple[int, str], Any] = {}
+    held: dict[tuple[int, str], list[Any]] = {}
+    names = [names_of(index) for index in range(len(members))]
+    for index, group_names in enumerate(names):
+        for name in group_names:
+            values = held[index, name] = values_of(index, name)
+            agreed[index, name] = group_value(values)
+    torn_groups = {index for (index, _), value in agreed.items() if value is DISAGREE}
+    fillable = {  # (only the groups that disagree somewhere need them)
+        (index, name): [
+            at
+            for at in compress(count(), map(is_, values, repeat(MISSING)))
+            if key_of(index, at, name) is not None
+        ]
+        for (index, name), values in held.items()
+        if index in torn_groups
+    }
+    settled_all = settle_all(held, agreed, names, fillable, inferred=inferred)
+    for (index, name), value in agreed.items():
+        if value is MISSING:
+            continue  # no member has one: a backfill keeps the reference's value
+        values = held[index, name]
+        lacking = [
+            (at, key)
+            for at in compress(count(), map(is_, values, repeat(MISSING)))
+            if (key := key_of(index, at, name)) is not None
+        ]
+        if value is not DISAGREE:
+            if merged is not None:
+                merged.update(zip(map(itemgetter(1), lacking), repeat(value)))
+            continue
+        settled, final = settled_all[index, name]
+        if merged is not None:
+            for at in [at for at, _ in lacking] + settled.rewritten(inferred=inferred):
+                merged[str(key_of(index, at, name))] = final[at]
+        if conflicts:
+            group = members[index]
+            outcome.conflicts.append(
+                disagreement(
+                    _label(index, inferred),
+                    name,
+                    group,
+                    settled,
+                    inferred=inferred,
+                    backfilled=[group[at] for at, _ in lacking],
+                )
+            )
 
 
 def backfill(
@@ -389,23 +902,19 @@ def backfill(
     backfilled: list[str],
     groups: list[list[str]],
     *,
-    inferred: bool,
-    problems: list[str],
     values_of: Callable[[int, str], list[Any]] | None = None,
 ) -> None:
-    """Give each backfilled ``param_groups.*`` key its group's checkpoint value.
+    """Give each backfilled ``param_groups.*`` key the value its group's members share.
 
-    ``groups`` are lists of fqns. The value is the one the checkpoint's members of
-    the group hold (the most common one, the first on a tie, when they disagree:
-    members moved in from another group are the minority); the reference's when
-    no member has one. With ``inferred`` groups (made from equal reference values)
-    members that disagree may be two groups the inference could not tell apart,
-    so no value is picked: a line goes to ``problems`` (the merge is refused).
-    Writes into ``merged`` unless it is ``None`` (a check). Each group and
-    hyperparameter is scanned once: ``values_of(group, name)``, if given, is the
+    For groups known to agree (:func:`~dsdmerge._groups.proven_consistent`): ``groups``
+    are lists of fqns; a key whose group has no member with a value keeps the
+    reference's. Writes into ``merged`` unless it is ``None`` (a check). Each group
+    and hyperparameter is scanned once: ``values_of(group, name)``, if given, is the
     checkpoint's value for each member in order (``MISSING`` where it has none), as
     the keys ``param_groups.<member>.<name>`` looked up in ``c`` would give.
     """
+    if merged is None:
+        return
     group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
     n = len(PG_PREFIX)
     found: dict[tuple[int, str], Any] = {}  # (group, hyperparameter) -> checkpoint value
@@ -416,21 +925,13 @@ def backfill(
             continue
         value = found.get((index, name), found)
         if value is found:  # first backfilled key of this group and name: scan the group once
-            members = groups[index]
             if values_of is None:
-                keys = [f"{PG_PREFIX}{member}.{name}" for member in members]
+                keys = [f"{PG_PREFIX}{member}.{name}" for member in groups[index]]
                 values = list(map(c.get, keys, repeat(MISSING)))
             else:
                 values = values_of(index, name)
-            value = group_value(values)
-            if value is DISAGREE:
-                if inferred:
-                    problems.append(ambiguous(index, name, members, values, key))
-                    value = MISSING
-                else:
-                    value = majority(values)
-            found[index, name] = value
-        if value is not MISSING and merged is not None:
+            value = found[index, name] = next(filterfalse(partial(is_, MISSING), values), MISSING)
+        if value is not MISSING:
             merged[key] = value
 
 
@@ -441,85 +942,85 @@ def _resolve_by_keys(
     backfilled: list[str],
     outcome: Outcome,
     *,
+    detect: bool,
     conflicts: bool,
 ) -> None:
-    """Give backfilled ``param_groups.*`` keys their group's checkpoint value; find conflicts.
+    """Give backfilled ``param_groups.*`` keys their group's checkpoint value; settle groups.
 
     A group is the reference's (when it was nested) or else the parameters whose
-    reference hyperparameters are all equal. A backfilled key takes the value of
-    the first member of its group (in reference order) that the checkpoint has,
-    and the reference's value only when no member has one.
+    reference hyperparameters are all equal. With ``detect``, every group is looked
+    at (:func:`settle_groups`); else only backfilled keys' groups, known to agree.
     """
     r_hyper, r_keys = parse_groups(r)
-    inferred_from_nested = groups is not None
-    inferred = " (inferred)" if groups is None else ""
+    values = (v for row in r_hyper.values() for v in row.values())
+    if all(map(is_tensor_like, map(type, values))):
+        return  # a model's tensors under a "param_groups" segment: no optimizer
+    inferred = groups is None
     if groups is None:
         groups = equal_hyperparameters((fqn, values.items()) for fqn, values in r_hyper.items())
-    if backfilled:
-        backfill(
-            c,
-            outcome.merged,
-            backfilled,
-            groups,
-            inferred=not inferred_from_nested,
-            problems=outcome.problems,
-        )
-    if not conflicts:
+    if not detect:
+        backfill(c, outcome.merged, backfilled, groups)
         return
-    c_get = c.get
-    for index, members in enumerate(groups):
-        seen: dict[str, tuple[str, Any]] = {}
-        reported: set[str] = set()
-        for member in members:
-            keys = r_keys.get(member)
-            if not keys:
-                continue
-            for name, key in keys.items():
-                value = c_get(key, MISSING)
-                if value is MISSING or name in reported:
-                    continue
-                first = seen.get(name)
-                if first is None:
-                    seen[name] = (member, value)
-                elif first[1] is not value and not same_value(first[1], value):
-                    reported.add(name)
-                    outcome.conflicts.append(
-                        conflict(f"{index}{inferred}", name, first, (member, value))
-                    )
+    rows = [[m for m in members if m in r_keys] for members in groups]
+
+    def names_of(index: int) -> list[str]:
+        names: dict[str, None] = {}
+        for member in rows[index]:
+            names.update(dict.fromkeys(r_keys[member]))
+        return list(names)
+
+    def values_of(index: int, name: str) -> list[Any]:
+        keys = [r_keys[m].get(name) for m in rows[index]]
+        return [MISSING if key is None else c.get(key, MISSING) for key in keys]
+
+    def key_of(index: int, at: int, name: str) -> str | None:
+        key: str | None = r_keys[rows[index][at]].get(name)
+        return key
+
+    settle_groups(
+        rows, names_of, values_of, key_of, outcome, inferred=inferred, conflicts=conflicts
+    )
 
 
 NESTED_PG = "." + PG_PREFIX
 
 
-def group_prefix(key: str) -> str:
-    """``"optim."`` for ``"optim.param_groups.w.lr"``; ``""`` when there is no such prefix."""
-    at = key.find(NESTED_PG)
-    return key[: at + 1] if at >= 0 else ""
-
-
 def prefixed(
-    c: Mapping[str, Any], r: Mapping[str, Any], outcome: Outcome, *, conflicts: bool
+    c: Mapping[str, Any],
+    r: Mapping[str, Any],
+    outcome: Outcome,
+    *,
+    detect: bool,
+    conflicts: bool,
 ) -> None:
     """Group-consistent hyperparameters for flattened optimizers under a prefix.
 
     A flattened whole checkpoint spells its optimizer's keys
-    ``optim.param_groups.<fqn>.<hp>``: each such prefix gets the same treatment as
-    top-level ``param_groups.*`` keys, on the keys under it.
+    ``optim.param_groups.<fqn>.<hp>``: each such prefix that is an optimizer's section
+    (:func:`~dsdmerge.layout.is_optimizer_section` of the reference) gets the same
+    treatment as top-level ``param_groups.*`` keys, on the keys under it: the
+    prefixes of missing keys, and with ``detect`` those of every checkpoint key.
     """
     merged = outcome.merged
     backfilled = [k for k in outcome.missing if NESTED_PG in k]
-    prefixes = dict.fromkeys(filter(None, map(group_prefix, backfilled)))
-    if conflicts:
+    found: dict[str, None] = {}
+    for key in backfilled:
+        found.update(dict.fromkeys(section_prefixes(key)))
+    if detect:
         # only keys with ".param_groups." in them (a C-level pass) have a prefix
-        nested = compress(c, map(contains, c, repeat(NESTED_PG)))
-        prefixes.update(dict.fromkeys(filter(None, map(group_prefix, nested))))
-    for prefix in prefixes:
+        for key in compress(c, map(contains, c, repeat(NESTED_PG))):
+            found.update(dict.fromkeys(section_prefixes(key)))
+    found.pop("", None)
+    if not found:
+        return
+    sections = optimizer_sections(r, found)
+    for prefix in sections:
         head, n = prefix + PG_PREFIX, len(prefix)
         sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
         sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
         mine = [k[n:] for k in backfilled if k.startswith(head)]
         sub = Outcome({} if merged is not None else None, [], [], [])
-        resolve(sub_c, sub_r, None, mine, sub, conflicts=conflicts)
+        resolve(sub_c, sub_r, None, mine, sub, detect=detect, conflicts=conflicts)
         if merged is not None and sub.merged:
             merged.update((prefix + k, v) for k, v in sub.merged.items())
         outcome.conflicts.extend(f"{prefix[:-1]!r}: {line}" for line in sub.conflicts)
@@ -624,11 +1125,18 @@ def merge_groups(
                 have = c_names[own] if own is not None else ()
                 names = [name for name, _ in r_items if name not in have]
                 if own is not None and conflicts:
-                    outcome.conflicts.append(
-                        f"{where}: {s} moved: it is in checkpoint group {own} but the "
-                        f"reference puts it with members of checkpoint group {ci}, whose "
-                        "hyperparameters it takes"
-                    )
+                    was = dict(c_groups[own][1])
+                    changes = [
+                        f"{name!r} {short_repr(was[name])} -> {short_repr(group[name])}"
+                        for name, _ in r_items
+                        if name in was and not same_value(was[name], group[name])
+                    ]
+                    if changes:  # (a move between groups that agree changes nothing)
+                        outcome.conflicts.append(
+                            f"{where}: {s} moved: it is in checkpoint group {own} but the "
+                            f"reference puts it with members of checkpoint group {ci}, whose "
+                            f"hyperparameters it takes: {', '.join(changes)}"
+                        )
             missing.extend(f"{group_prefix}{s}.{name}" for name in names)
     if len(matched) < len(c_groups):
         any_unexpected = True

@@ -32,6 +32,7 @@ from dsdmerge.errors import StateDictTypeError
 __all__ = [
     "Aligned",
     "align",
+    "at_positions",
     "merged",
     "missing_in_union",
     "require_str_keys",
@@ -175,6 +176,26 @@ def values_at(
             yield gap(missing[m:])
 
     return chain.from_iterable(parts())
+
+
+def at_positions(
+    c_items: list[Any], r_items: list[Any], runs: list[tuple[int, int, int]]
+) -> list[Any]:
+    """Per reference position, the checkpoint's item (``r_items``' where the checkpoint lacks it).
+
+    ``c_items`` and ``r_items`` are per-value lists of the two sides (their values, or
+    their types), ``runs`` what :func:`align` found: a list made of slices, as
+    :func:`values_at` would give for the values.
+    """
+    out: list[Any] = []
+    at = 0
+    for i, j, n in runs:
+        if j > at:  # missing keys before this run
+            out += r_items[at:j]
+        out += c_items[i : i + n]
+        at = j + n
+    out += r_items[at:]
+    return out
 
 
 def merged(

@@ -194,6 +194,7 @@ class NestedMerge:
             outcome.take_reference[prefix + m.key] = sub.take_reference[m.key]
         outcome.conflicts.extend(f"{key!r}: {line}" for line in sub.conflicts)
         outcome.problems.extend(f"{key!r}: {line}" for line in sub.problems)
+        outcome.ties.extend((prefix + k, prefix + s, put) for k, s, put in sub.ties)
         self.flat_unexpected[id(c)] = [prefix + k for k in sub.unexpected]
         if sub.unexpected:
             self.any_unexpected = True

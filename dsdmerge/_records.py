@@ -316,6 +316,12 @@ class KeyDiff:
             missing keys of the same shapes and dtypes (``"qkv"`` for separate q/k/v
             projections against a fused ``qkv_proj``), for ``convert=``. Filled by
             :func:`~dsdmerge.diff`; never applied by themselves.
+        tied: Missing keys whose reference tensor is the very tensor of a key the
+            checkpoint has (tied weights: a ``save_pretrained`` checkpoint omits
+            ``lm_head.weight`` tied to the embedding), as ``(missing key, that
+            key)`` pairs in reference order: a merge gives each the checkpoint's
+            tensor of that key, so that loading keeps the tie. They are still in
+            :attr:`missing`.
 
     ``bool(diff)`` is ``False`` iff missing, unexpected, mismatched and changed
     are all empty; ``str(diff)`` is a readable report.
@@ -334,12 +340,13 @@ class KeyDiff:
     renames: tuple[SuggestedRename, ...] = ()
     resized: tuple[Resized, ...] = ()
     conversions: tuple[str, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched or self.changed)
 
     def __repr__(self) -> str:
-        # changed, renames and resized only when there are some (the three lists always)
+        # changed, renames, resized and tied only when there are some (the three lists always)
         fields: list[tuple[str, tuple[Any, ...]]] = [
             ("missing", self.missing),
             ("unexpected", self.unexpected),
@@ -352,6 +359,7 @@ class KeyDiff:
                 ("renames", self.renames),
                 ("resized", self.resized),
                 ("conversions", self.conversions),
+                ("tied", self.tied),
             )
             if v
         ]
@@ -396,6 +404,8 @@ class KeyDiff:
             out["changed"] = [c.to_dict() for c in self.changed]
         if self.conversions:
             out["conversions"] = list(self.conversions)
+        if self.tied:
+            out["tied"] = [{"key": key, "takes": source} for key, source in self.tied]
         return out
 
 
@@ -430,3 +440,5 @@ class Outcome:
     problems: list[str] = dataclasses.field(default_factory=list)
     # mismatch key -> its place in ``merged``: call it to put the reference's value there
     take_reference: dict[str, Slot] = dataclasses.field(default_factory=dict)
+    # tied missing keys: (key, the checkpoint key whose tensor it took, where it sits)
+    ties: list[tuple[str, str, Callable[[Any], None]]] = dataclasses.field(default_factory=list)

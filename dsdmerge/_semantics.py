@@ -17,13 +17,23 @@ over a nested reference, which is flattened first):
 2. A key both sides have whose two values are tensor-like, distinct objects and
    differ in shape or dtype is *mismatched* (in the reference's order).
 3. The merged dict is the checkpoint's items in its order (unexpected ones only
-   when kept), then each missing key with the reference's value.
+   when kept), then each missing key with the reference's value; but a missing key
+   whose reference tensor is the very tensor of a key the checkpoint has (tied
+   weights: :func:`dsdmerge._tensors.same_view`, neither key a flattened
+   optimizer's) takes that key's checkpoint value, and is *tied* to it.
 4. Then the param-group rules of :mod:`dsdmerge._groups`, per flattened
-   optimizer (the top level, and each prefix ``P`` of a key
-   ``P + "param_groups." + ...`` that is missing, or, when looking for conflicts,
-   that the checkpoint has): a missing ``param_groups.<fqn>.<hp>`` key takes the
-   value its group's checkpoint members hold (see :func:`dsdmerge._groups.backfill`);
-   members of a group whose checkpoint values disagree are conflicts.
+   optimizer: the top level and each prefix ``P`` of a key ``P + "param_groups." +
+   ...`` that is missing or (when merging or looking for conflicts) that the
+   checkpoint has, each only when it is an optimizer's section of the reference
+   (:func:`dsdmerge.layout.is_optimizer_section`: some hyperparameter, not only
+   tensors, and inside no other section). Per group (given when the reference was
+   nested, at the top level; else inferred) and hyperparameter, in the group's key
+   order: when its members' checkpoint values agree, a missing
+   ``param_groups.<fqn>.<hp>`` key takes that value; when they disagree (looked at
+   only when merging or looking for conflicts), :func:`dsdmerge._groups.settle_all`
+   picks the group's value, the missing keys and the members
+   :meth:`~dsdmerge._groups.Settled.rewritten` take it, and one conflict line
+   (:func:`dsdmerge._groups.disagreement`) reports the group.
 
 Nested state dicts (both nested): the reference drives a recursive walk
 (:func:`_tree`): a key only the reference has is backfilled (its flat keys
@@ -43,17 +53,15 @@ from typing import Any
 from dsdmerge._groups import (
     DISAGREE,
     NESTED_PG,
-    ambiguous,
-    conflict,
-    group_prefix,
+    disagreement,
     group_value,
-    majority,
     merge_groups,
+    settle_all,
 )
 from dsdmerge._records import Mismatch, Outcome, Slot, TensorMeta
-from dsdmerge._tensors import differs
+from dsdmerge._tensors import differs, same_view
 from dsdmerge._trees import copy_tree, flat_keys, flatten
-from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value
+from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str
 from dsdmerge.errors import LayoutError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -63,7 +71,10 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     classify,
+    in_section,
+    is_optimizer_section,
     is_optimizer_state_dict,
+    section_prefixes,
 )
 
 __all__ = ["outcome"]
@@ -94,6 +105,7 @@ def outcome(
             walk.conflicts,
             walk.problems,
             walk.slots,
+            walk.ties,
         )
     if c_nested and merge:
         raise LayoutError("the checkpoint is nested but the reference is flat")
@@ -148,26 +160,46 @@ def flat(
     if merged is not None:
         for m in mismatches:
             out.take_reference[m.key] = Slot(partial(merged.__setitem__, m.key), c[m.key], r[m.key])
+    # rule 3b: a missing key whose reference tensor is the very tensor (same_view) of a key the
+    # checkpoint has, the first in reference order, takes that key's value (neither of them a
+    # flattened optimizer's key)
+    for k in missing:
+        if in_section(r, k):
+            continue
+        for k2, v2 in r.items():
+            if k2 in c and not in_section(r, k2) and same_view(r[k], v2):
+                put = _nowhere if merged is None else partial(merged.__setitem__, k)
+                if merged is not None:
+                    merged[k] = merged[k2]
+                out.ties.append((k, k2, put))
+                break
     # rule 4: the top level's param groups (given when the reference was nested), then each
     # flattened optimizer under a prefix (inferred), in order of first appearance
-    prefixes = [group_prefix(k) for k in missing if NESTED_PG in k]
-    if conflicts:
-        prefixes += [group_prefix(k) for k in c if NESTED_PG in k]
-    sections: list[tuple[str, list[list[str]] | None]] = [("", groups)]
-    sections += [(p, None) for p in dict.fromkeys(prefixes) if p]
+    look = merge or conflicts
+    candidates: dict[str, None] = {}
+    for k in missing:
+        if NESTED_PG in k:
+            candidates.update(dict.fromkeys(section_prefixes(k)))
+    if look:
+        for k in c:
+            if NESTED_PG in k:
+                candidates.update(dict.fromkeys(section_prefixes(k)))
+    candidates.pop("", None)
+    sections: list[tuple[str, list[list[str]] | None]] = []
+    if is_optimizer_section(r, ""):
+        sections.append(("", groups))
+    sections += [(p, None) for p in candidates if is_optimizer_section(r, p)]
     for prefix, given in sections:
         n = len(prefix)
         head = prefix + PG_PREFIX
         sub_c = {k[n:]: v for k, v in c.items() if k.startswith(head)}
         sub_r = {k[n:]: v for k, v in r.items() if k.startswith(head)}
-        backfilled = [k[n:] for k in missing if k.startswith(head)]
-        found = _param_groups(sub_c, sub_r, given, backfilled, conflicts=conflicts)
-        values, conflict_lines, problems = found
+        values, conflict_lines = _param_groups(sub_c, sub_r, given, look=look)
         if merged is not None:
             merged.update((prefix + k, v) for k, v in values.items())
         where = f"{prefix[:-1]!r}: " if prefix else ""
-        out.conflicts += [where + line for line in conflict_lines]
-        out.problems += [where + line for line in problems]
+        if conflicts:
+            out.conflicts += [where + line for line in conflict_lines]
     if key_prefix:  # a flat sub-dict of a nested walk names its keys by its path
         out.missing = [key_prefix + k for k in out.missing]
         out.unexpected = [key_prefix + k for k in out.unexpected]
@@ -175,6 +207,7 @@ def flat(
             Mismatch(key_prefix + m.key, m.checkpoint, m.reference) for m in out.mismatches
         ]
         out.take_reference = {key_prefix + k: s for k, s in out.take_reference.items()}
+        out.ties = [(key_prefix + k, key_prefix + k2, put) for k, k2, put in out.ties]
     return out
 
 
@@ -182,65 +215,86 @@ def _param_groups(
     c: Mapping[str, Any],
     r: Mapping[str, Any],
     given: list[list[str]] | None,
-    backfilled: list[str],
     *,
-    conflicts: bool,
-) -> tuple[dict[str, Any], list[str], list[str]]:
-    """``(backfilled values, conflicts, problems)`` for one optimizer's ``param_groups.*`` keys."""
+    look: bool,
+) -> tuple[dict[str, Any], list[str]]:
+    """``(values to write, conflict lines)`` for one optimizer's ``param_groups.*`` keys.
+
+    The groups are ``given`` or else the parameters whose reference hyperparameters
+    are all equal. For each group and hyperparameter (in the order the group's keys
+    name them), the members' checkpoint values: a member the checkpoint lacks a value
+    for takes the value they all hold (none: the reference's stays); when they
+    disagree (only looked at with ``look``: a merge or a search for conflicts), the
+    group is settled by :func:`dsdmerge._groups.settle` and each member lacking a
+    value, or moved in (:meth:`~dsdmerge._groups.Settled.rewritten`), takes its value.
+    """
     rows: dict[str, dict[str, str]] = {}  # fqn -> {hyperparameter: key}, in key order
     for key in r:
         fqn, dot, name = key[len(PG_PREFIX) :].rpartition(".")
         if dot and fqn:
             rows.setdefault(fqn, {})[name] = key
-    if given is None:  # the parameters whose reference hyperparameters are all equal
+    if given is None:
         by_signature: dict[Any, list[str]] = {}
         for fqn, keys in rows.items():
             signature = tuple((name, freeze(r[key])) for name, key in keys.items())
             by_signature.setdefault(signature, []).append(fqn)
         groups = list(by_signature.values())
     else:
-        groups = given
+        groups = [[m for m in members if m in rows] for members in given]
     inferred = given is None
-    group_of = {fqn: index for index, members in enumerate(groups) for fqn in members}
+    # each group's members' values per hyperparameter, in member order (MISSING: none)
+    held: dict[tuple[int, str], list[Any]] = {}
+    for index, members in enumerate(groups):
+        for member in members:
+            for name in rows[member]:
+                held.setdefault((index, name), [])
+        for name in [n for (i, n) in held if i == index]:
+            held[index, name] = [
+                c.get(rows[m][name], MISSING) if name in rows[m] else MISSING for m in members
+            ]
+    agreed = {place: group_value(values) for place, values in held.items()}
+    names = [[n for (i, n) in held if i == index] for index in range(len(groups))]
+    fillable = {
+        (index, name): [
+            at
+            for at, m in enumerate(groups[index])
+            if held[index, name][at] is MISSING and name in rows[m]
+        ]
+        for (index, name) in held
+    }
+    settled_all = settle_all(held, agreed, names, fillable, inferred=inferred) if look else {}
     values: dict[str, Any] = {}
-    problems: list[str] = []
-    decided: dict[tuple[int, str], Any] = {}
-    for key in backfilled:
-        fqn, _, name = key[len(PG_PREFIX) :].rpartition(".")
-        index = group_of.get(fqn)
-        if index is None:
-            continue  # no group: the reference's own value stays
-        if (index, name) not in decided:
-            members = groups[index]
-            held = [c.get(f"{PG_PREFIX}{m}.{name}", MISSING) for m in members]
-            value = group_value(held)
-            if value is DISAGREE and inferred:
-                problems.append(ambiguous(index, name, members, held, key))
-                value = MISSING
-            elif value is DISAGREE:
-                value = majority(held)
-            decided[index, name] = value
-        if decided[index, name] is not MISSING:
-            values[key] = decided[index, name]
     lines: list[str] = []
-    if conflicts:
-        label = " (inferred)" if inferred else ""
-        for index, members in enumerate(groups):
-            first: dict[str, tuple[str, Any]] = {}
-            reported: set[str] = set()
-            for member in members:
-                for name, key in rows.get(member, {}).items():
-                    value = c.get(key, MISSING)
-                    if value is MISSING or name in reported:
-                        continue
-                    if name not in first:
-                        first[name] = (member, value)
-                    elif not same_value(first[name][1], value):
-                        reported.add(name)
-                        lines.append(
-                            conflict(f"{index}{label}", name, first[name], (member, value))
-                        )
-    return values, lines, problems
+    for (index, name), value in agreed.items():
+        members = groups[index]
+        vals = held[index, name]
+        lacking = [at for at, v in enumerate(vals) if v is MISSING and name in rows[members[at]]]
+        if value is MISSING:
+            continue
+        if value is not DISAGREE:
+            for at in lacking:
+                values[rows[members[at]][name]] = value
+            continue
+        if not look:  # (a comparison that looks for nothing)
+            continue
+        settled, final = settled_all[index, name]
+        for at in lacking + settled.rewritten(inferred=inferred):
+            values[rows[members[at]][name]] = final[at]
+        lines.append(
+            disagreement(
+                f"{index} (inferred)" if inferred else str(index),
+                name,
+                members,
+                settled,
+                inferred=inferred,
+                backfilled=[members[at] for at in lacking],
+            )
+        )
+    return values, lines
+
+
+def _nowhere(value: Any) -> None:
+    """Where a tied value of a comparison that builds nothing goes."""
 
 
 # --------------------------------------------------------------------------------------
@@ -267,6 +321,7 @@ class _Walk:
         self.conflicts: list[str] = []
         self.problems: list[str] = []
         self.slots: dict[str, Slot] = {}
+        self.ties: list[tuple[str, str, Any]] = []
         self.flat_unexpected: dict[int, list[str]] = {}  # id of a flat sub-dict -> its keys
 
     def merge(self, c: Mapping[Any, Any], r: Mapping[Any, Any]) -> dict[Any, Any]:
@@ -315,6 +370,7 @@ class _Walk:
         self.missing += sub.missing
         self.mismatches += sub.mismatches
         self.slots.update(sub.take_reference)
+        self.ties += sub.ties
         self.conflicts += [f"{key!r}: {line}" for line in sub.conflicts]
         self.problems += [f"{key!r}: {line}" for line in sub.problems]
         self.flat_unexpected[id(c)] = sub.unexpected

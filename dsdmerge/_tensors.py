@@ -17,30 +17,64 @@ Tensors whose ``.shape`` raises are compared pair by pair.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import compress
 from operator import and_, attrgetter, ne
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from dsdmerge._records import Mismatch, TensorMeta
-from dsdmerge._values import KNOWN_LEAF_TYPES, leaf_codes, tensor_like
+from dsdmerge._values import KNOWN_LEAF_TYPES, KNOWN_TENSORS, run_length, tensor_like
 from dsdmerge.errors import StateDictTypeError
-from dsdmerge.layout import value_types
 
-__all__ = ["KNOWN_TENSOR_TYPES", "differs", "meta", "mismatched", "mismatches", "scan"]
+__all__ = [
+    "KNOWN_TENSOR_TYPES",
+    "Scanned",
+    "differs",
+    "meta",
+    "mismatched",
+    "mismatches",
+    "same_view",
+    "scan",
+    "tied",
+]
 
 
 KNOWN_TENSOR_TYPES = tensor_like(KNOWN_LEAF_TYPES)
 
 
-def scan(sd: Mapping[Any, Any]) -> tuple[bytes | None, frozenset[type] | set[type]]:
-    """``(codes, types)``: :func:`leaf_codes` of the values, and their types (or a superset)."""
-    codes = leaf_codes(sd.values())
-    if codes is not None:
-        return codes, KNOWN_LEAF_TYPES
-    return None, value_types(sd)
+class Scanned(NamedTuple):
+    """One pass over a state dict's values: each one's type, and what follows from them.
+
+    ``kinds``: the type of each value, in order; ``types``: the distinct ones;
+    ``picked``: 1 per torch tensor and 0 per other value when every type is a
+    common leaf type (:data:`~dsdmerge._values.KNOWN_LEAF_TYPES`), else ``None``.
+    """
+
+    picked: bytes | None
+    types: set[type]
+    kinds: list[type]
+
+
+def scan(sd: Mapping[Any, Any]) -> Scanned:
+    """The :class:`Scanned` values of ``sd``: one C-level type pass.
+
+    torch writes an optimizer's state tensors first: a leading run of tensors
+    (:func:`~dsdmerge._values.run_length`, in pointer comparisons) is not looked at
+    again; the rest of the types are collected into a set, and only when tensors stand
+    among them is each type tested again.
+    """
+    kinds = list(map(type, sd.values()))
+    n = len(kinds)
+    first = run_length(kinds, torch.Tensor) if n and kinds[0] is torch.Tensor else 0
+    rest = set(kinds[first:]) if first < n else set()
+    types = rest | {torch.Tensor} if first else rest
+    if not types <= KNOWN_LEAF_TYPES:
+        return Scanned(None, types, kinds)
+    if rest.isdisjoint(KNOWN_TENSORS):
+        return Scanned(b"\x01" * first + bytes(n - first), types, kinds)
+    return Scanned(bytes(map(KNOWN_TENSORS.__contains__, kinds)), types, kinds)
 
 
 def meta(value: Any, key: str) -> TensorMeta:
@@ -137,3 +171,76 @@ def mismatches(
         where = key_prefix + r_keys[i]
         out.append(Mismatch(r_keys[i], meta(u_vals[i], where), meta(r_vals[i], where)))
     return out
+
+
+# --------------------------------------------------------------------------------------
+# tied weights
+
+
+def _real(value: Any) -> bool:
+    """A plain torch tensor with memory (not meta, not empty, strided): one that can be tied."""
+    return (
+        type(value) in KNOWN_TENSORS
+        and value.layout == torch.strided
+        and not value.is_meta
+        and value.numel() > 0
+    )
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether two plain tensors are views of the same memory in the same way (tied weights)."""
+    return (
+        _real(a)
+        and _real(b)
+        and a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def tied(
+    r: Mapping[str, Any],
+    missing: list[str],
+    picked: bytes,
+    tieable: Callable[[str], bool],
+) -> list[tuple[str, str]]:
+    """``(missing key, key)`` pairs: a missing key's reference tensor is a key's the checkpoint has.
+
+    Tied weights: a model whose ``lm_head.weight`` is its ``embed.weight`` holds one
+    tensor under both keys, and a ``save_pretrained`` checkpoint keeps one of them.
+    The first such key in reference order, among keys ``tieable`` accepts (not an
+    optimizer's), for each missing key with memory (:func:`same_view`). How: the
+    data pointers of the missing tensors first; the reference's other tensors are
+    looked at only when some missing one can be tied.
+    """
+    wanted: dict[int, list[str]] = {}
+    for key in missing:
+        t = r[key]
+        if _real(t) and tieable(key):
+            wanted.setdefault(t.data_ptr(), []).append(key)
+    if not wanted:
+        return []
+    lost = set(missing)
+    found: dict[str, str] = {}
+    keys = list(compress(r, picked))
+    values = list(compress(r.values(), picked))
+    plain = bytes(map(KNOWN_TENSORS.__contains__, map(type, values)))
+    keys, values = list(compress(keys, plain)), list(compress(values, plain))
+    try:  # every pointer in one C-level pass
+        ptrs = list(map(torch.Tensor.data_ptr, values))
+    except RuntimeError:  # a tensor without storage (sparse): one by one
+        ptrs = [t.data_ptr() if _real(t) else -1 for t in values]
+    near = bytes(map(wanted.__contains__, ptrs))
+    n_wanted = sum(map(len, wanted.values()))
+    close = zip(compress(keys, near), compress(values, near), compress(ptrs, near), strict=True)
+    for key, t, ptr in close:
+        if key in lost or not tieable(key):
+            continue
+        for m in wanted[ptr]:
+            if m not in found and same_view(r[m], t):
+                found[m] = key
+        if len(found) == n_wanted:
+            break
+    return [(m, found[m]) for m in missing if m in found]

@@ -6,8 +6,8 @@
   value with NaN equal to NaN, containers element-wise, small CPU tensors by content,
   everything else by identity), bounded for hostile values.
 * :func:`is_tensor_like` / :func:`tensor_like`: a value is tensor-like when its class
-  defines ``shape`` and ``dtype``; :func:`leaf_codes` tells the common leaf types apart
-  in one C-level pass.
+  defines ``shape`` and ``dtype``; :data:`KNOWN_LEAF_TYPES` are the common leaf types, and
+  :func:`leaf_codes` tells them apart in one C-level pass.
 """
 
 from __future__ import annotations
@@ -132,14 +132,15 @@ def is_tensor_like(tp: type) -> bool:
     return hasattr(tp, "shape") and hasattr(tp, "dtype")
 
 
-# The value types of almost every flat state dict, each mapped to 1 if tensor-like, else 0.
-# A constant, never modified: values of any other type send :func:`leaf_codes` to the general
-# path, so it decides nothing a full type scan would not.
-_KNOWN_LEAVES: dict[type, int] = {
-    tp: int(is_tensor_like(tp))
-    for tp in (torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list)
-}
-KNOWN_LEAF_TYPES = frozenset(_KNOWN_LEAVES)
+# The value types of almost every flat state dict (a constant, never modified): values of any
+# other type send :func:`dsdmerge._tensors.scan` to the general path, so it decides nothing a
+# full type test would not.
+KNOWN_LEAF_TYPES = frozenset(
+    {torch.Tensor, torch.nn.Parameter, float, int, bool, type(None), str, tuple, list}
+)
+KNOWN_TENSORS = frozenset(tp for tp in KNOWN_LEAF_TYPES if is_tensor_like(tp))
+
+_LEAF_CODES: dict[type, int] = {tp: int(tp in KNOWN_TENSORS) for tp in KNOWN_LEAF_TYPES}
 
 
 def leaf_codes(values: Iterable[Any]) -> bytes | None:
@@ -151,9 +152,35 @@ def leaf_codes(values: Iterable[Any]) -> bytes | None:
     is a ``torch.Tensor`` or ``Parameter``.
     """
     try:
-        return bytes(map(_KNOWN_LEAVES.__getitem__, map(type, values)))
+        return bytes(map(_LEAF_CODES.__getitem__, map(type, values)))
     except KeyError:  # a type not in the table
         return None
+
+
+def run_length(items: list[Any], item: Any, start: int = 0) -> int:
+    """How many items from ``start`` on are ``item`` (or ``==`` it), in C-level comparisons.
+
+    Galloping comparisons of slices with ``[item] * n``, then a bisection: a list
+    comparison stops at its first difference, so the cost is about the run's length
+    in identity comparisons (a type list: one pointer comparison per item).
+    """
+    n = len(items)
+    at, size = start, 1
+    while at < n:
+        step = min(size, n - at)
+        if items[at : at + step] == [item] * step:
+            at += step
+            size *= 2
+            continue
+        while step > 1:  # the first item unlike ``item`` is among the next ``step``
+            half = step // 2
+            if items[at : at + half] == [item] * half:
+                at += half
+                step -= half
+            else:
+                step = half
+        break
+    return at - start
 
 
 def shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:

@@ -14,6 +14,7 @@ from operator import eq, is_not
 from typing import Any
 
 from dsdmerge._engine import run
+from dsdmerge._ids import one_spelling
 
 # The records live in dsdmerge._records, below the code that produces them; this module
 # re-exports them (and dtype_name, which integrations.checkpoints takes from here).
@@ -83,6 +84,7 @@ def diff(
         >>> dm.diff({f"attn.{n}_proj.weight": torch.zeros(2, 4) for n in "qkv"}, fused).conversions
         ('qkv',)
     """
+    checkpoint, reference = one_spelling(checkpoint, reference)
     if rename is not None:
         checkpoint, unmatched = rename_checkpoint(checkpoint, rename)
         if unmatched:
@@ -98,6 +100,7 @@ def diff(
         tuple(changed),
         suggest(checkpoint, reference, outcome.missing, outcome.unexpected),
         conversions=conversions_for(checkpoint, reference, outcome.missing, outcome.unexpected),
+        tied=tuple((key, source) for key, source, _ in outcome.ties),
     )
 
 

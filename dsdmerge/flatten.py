@@ -23,7 +23,7 @@ from dsdmerge._gc import gc_paused
 from dsdmerge._keys import require_str_keys
 from dsdmerge._table import PgTable, joined, read_rows, spelled_rows
 from dsdmerge._trees import flatten
-from dsdmerge._values import MISSING, freeze, key_str, same_value, short_repr
+from dsdmerge._values import MISSING, freeze, is_tensor_like, key_str, same_value, short_repr
 from dsdmerge.errors import LayoutError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -127,10 +127,14 @@ def require_flat(
 
 
 def _is_flat_optimizer(flat: Mapping[str, Any]) -> bool:
-    """Whether every key is a ``state.*`` or ``param_groups.*`` key, and some the latter."""
-    return all(map(str.startswith, flat, repeat((STATE_PREFIX, PG_PREFIX)))) and any(
-        map(str.startswith, flat, repeat(PG_PREFIX))
-    )
+    """Whether every key is ``state.*`` or ``param_groups.*``, some of them hyperparameters.
+
+    Hyperparameters, not tensors: a model's modules may be named ``param_groups``.
+    """
+    if not all(map(str.startswith, flat, repeat((STATE_PREFIX, PG_PREFIX)))):
+        return False
+    hyper = compress(flat.values(), map(str.startswith, flat, repeat(PG_PREFIX)))
+    return not all(map(is_tensor_like, map(type, hyper)))  # (stops at the first hyperparameter)
 
 
 def _insert(root: dict[Any, Any], parts: list[str], value: Any, key: str) -> None:

@@ -6,15 +6,27 @@ tuple, ...): model state dicts, safetensors dicts and the optimizer dicts that
 returns. It is *nested* when it holds mappings: ``optimizer.state_dict()``, the
 fqn-keyed dicts of ``get_optimizer_state_dict``, and whole-checkpoint dicts such
 as ``{"model": {...}, "optim": {...}}``.
+
+Optimizers are told by their shape, never by a key's spelling alone. Nested: a
+``"state"`` mapping next to a ``"param_groups"`` list (:func:`is_optimizer_state_dict`).
+Flat: a *section* ``P`` (``""`` or a prefix ending in a dot) is a flattened
+optimizer when some ``P + "param_groups.<fqn>.<name>"`` value is a hyperparameter,
+not a tensor (every ``torch.optim`` group holds Python scalars and flags; a tensor
+``lr`` may stand among them), and ``P`` does not lie inside another section's
+``state.`` or ``param_groups.`` keys (:func:`is_optimizer_section`). A model whose
+modules are named ``param_groups`` or ``state`` holds only tensors there, so it is
+a model.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from itertools import compress, repeat
 from typing import Any
 
 from dsdmerge._text import short_repr
+from dsdmerge._values import is_tensor_like
 from dsdmerge.errors import LayoutError, StateDictTypeError
 
 __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
@@ -128,18 +140,16 @@ def layout_of(sd: Mapping[Any, Any], types: set[type] | frozenset[type]) -> Layo
 
 
 def check_not_mixed(sd: Mapping[Any, Any], path: str) -> None:
-    """Raise :class:`LayoutError` for optimizer sections next to flattened optimizer keys.
+    """Raise :class:`LayoutError` for a nested optimizer next to flattened optimizer keys.
 
-    Other keys beside ``state`` and ``param_groups`` are allowed: an optimizer may
-    keep its own there (``Optimizer.load_state_dict`` hands them to its load hooks).
+    Only an optimizer state dict (a ``"state"`` mapping and a ``"param_groups"``
+    list) is checked: a ``"state"`` mapping alone is any other mapping. Other keys
+    beside ``state`` and ``param_groups`` are allowed: an optimizer may keep its own
+    there (``Optimizer.load_state_dict`` hands them to its load hooks).
     """
-    sections = [
-        k
-        for k, tp in ((STATE, Mapping), (PARAM_GROUPS, (list, tuple)))
-        if isinstance(sd.get(k), tp)
-    ]
-    if not sections:
+    if not is_optimizer_state_dict(sd):
         return
+    sections = [STATE, PARAM_GROUPS]
     where = f" at {path!r}" if path else ""
     flat_keys = sorted(
         k for k in sd if type(k) is str and (k.startswith(STATE_PREFIX) or k.startswith(PG_PREFIX))
@@ -196,3 +206,109 @@ def group_items(group: object, where: str) -> list[tuple[str, Any]]:
             )
         items.append((name, v))
     return items
+
+
+# --------------------------------------------------------------------------------------
+# flattened optimizers, by their shape
+
+
+def holds_hyperparameters(flat: Mapping[Any, Any], prefix: str) -> bool:
+    """Whether some ``prefix + "param_groups.<fqn>.<name>"`` value of ``flat`` is no tensor.
+
+    Keys as :func:`~dsdmerge._table.parse_groups` reads them (a dot after a non-empty fqn).
+    """
+    head = prefix + PG_PREFIX
+    n = len(head)
+    try:  # the keys under the head picked in a C-level pass (str keys: flat state dicts')
+        pairs: Iterable[tuple[Any, Any]] = list(
+            compress(flat.items(), map(str.startswith, flat, repeat(head)))
+        )
+    except TypeError:  # a key that is no str
+        pairs = ((k, v) for k, v in flat.items() if type(k) is str and k.startswith(head))
+    for k, v in pairs:
+        if not is_tensor_like(type(v)):
+            fqn, dot, _ = k[n:].rpartition(".")
+            if dot and fqn:
+                return True
+    return False
+
+
+def section_prefixes(key: str) -> list[str]:
+    """Every ``P`` (empty or ending in a dot) such that ``key`` is ``P + "param_groups." + ...``."""
+    out = []
+    at = key.find(PG_PREFIX)
+    while at >= 0:
+        if at == 0 or key[at - 1] == ".":
+            out.append(key[:at])
+        at = key.find(PG_PREFIX, at + 1)
+    return out
+
+
+def _containers(prefix: str) -> list[str]:
+    """The ``Q`` such that ``prefix`` starts with ``Q + "state."`` or ``Q + "param_groups."``."""
+    out = []
+    for part in (STATE_PREFIX, PG_PREFIX):
+        at = prefix.find(part)
+        while at >= 0:
+            if at == 0 or prefix[at - 1] == ".":
+                out.append(prefix[:at])
+            at = prefix.find(part, at + 1)
+    return out
+
+
+def is_optimizer_section(
+    flat: Mapping[Any, Any],
+    prefix: str,
+    holds: Callable[[str], bool] | None = None,
+) -> bool:
+    """Whether ``prefix`` is a flattened optimizer's section of ``flat`` (see the module docstring).
+
+    ``holds(P)``, if given, says whether ``P``'s ``param_groups.*`` values hold a
+    hyperparameter (default: :func:`holds_hyperparameters` of ``flat``).
+
+    Example:
+        >>> import torch
+        >>> from dsdmerge.layout import is_optimizer_section
+        >>> is_optimizer_section({"param_groups.w.lr": 0.1}, "")
+        True
+        >>> is_optimizer_section({"param_groups.0.weight": torch.zeros(2)}, "")  # a model
+        False
+    """
+    test = (lambda p: holds_hyperparameters(flat, p)) if holds is None else holds
+    return test(prefix) and not any(
+        is_optimizer_section(flat, q, test) for q in _containers(prefix)
+    )
+
+
+def in_section(
+    flat: Mapping[Any, Any], key: str, holds: Callable[[str], bool] | None = None
+) -> bool:
+    """Whether ``key`` is a flattened optimizer's (under a section's state or param groups).
+
+    ``P + "state." + ...`` or ``P + "param_groups." + ...`` of a section ``P``
+    (:func:`is_optimizer_section`; ``holds`` as there).
+    """
+    return any(is_optimizer_section(flat, q, holds) for q in _containers(key))
+
+
+def optimizer_sections(
+    flat: Mapping[Any, Any], /, candidates: Iterable[str] | None = None
+) -> list[str]:
+    """The flattened optimizers' sections of ``flat``, in order of first appearance.
+
+    ``candidates``: the prefixes to try (default: every one its keys spell).
+    """
+    if candidates is None:
+        found: dict[str, None] = {}
+        for key in flat:
+            if type(key) is str and PG_PREFIX in key:
+                found.update(dict.fromkeys(section_prefixes(key)))
+        candidates = found
+    memo: dict[str, bool] = {}
+
+    def holds(p: str) -> bool:
+        if p not in memo:
+            memo[p] = holds_hyperparameters(flat, p)
+        return memo[p]
+
+    return [p for p in dict.fromkeys(candidates) if is_optimizer_section(flat, p, holds)]

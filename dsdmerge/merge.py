@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from dsdmerge._engine import run
+from dsdmerge._ids import one_spelling
 from dsdmerge._records import Outcome
 from dsdmerge._values import short_repr
 from dsdmerge.convert import Conversions, convert_checkpoint
@@ -31,6 +32,7 @@ from dsdmerge.layout import (
     Layout,
     classify,
     is_optimizer_state_dict,
+    optimizer_sections,
 )
 from dsdmerge.policy import Action, InvalidPolicyError, Policy, PolicyName, matcher, resolve_policy
 from dsdmerge.rename import Rules, rename_checkpoint
@@ -87,10 +89,13 @@ def merge(
     Every checkpoint value is kept by identity; every key only the reference
     has is backfilled from it (a backfilled ``param_groups.<fqn>.<hp>`` takes
     the value the checkpoint has for the other members of that parameter's
-    group, so a new parameter does not reset the scheduled learning rate);
-    differences are handled by ``policy`` (see :mod:`dsdmerge.policy`). Does not
-    modify its inputs; leaves are shared, never copied, except the new tensors
-    of ``on_shape_mismatch="resize"``.
+    group, so a new parameter does not reset the scheduled learning rate; a key
+    tied in the reference to one the checkpoint has takes that key's tensor).
+    Each param group's members end up agreeing on every hyperparameter, as
+    torch's loaders need: a parameter moved to another group takes its new
+    group's values (see :mod:`dsdmerge.policy` for the rule). Differences are
+    handled by ``policy``. Does not modify its inputs; leaves are shared, never
+    copied, except the new tensors of ``on_shape_mismatch="resize"``.
 
     Args:
         checkpoint: The state dict you loaded (flat or nested).
@@ -111,11 +116,14 @@ def merge(
             policy's ``shape`` action says; every built-in policy raises),
             ``"take_reference"`` (the reference's tensor, with a warning: the
             trained values are dropped) or ``"resize"`` (same rank only: a new
-            tensor with the reference's shape, dtype and device holding the
+            tensor with the reference's shape and device holding the
             checkpoint's overlapping leading slice and the reference's values
             elsewhere, for the weight and for every optimizer state tensor of
             it whose shape differs; ``step`` and other scalars stay the
-            checkpoint's). Resizes are reported in ``KeyDiff.resized``.
+            checkpoint's). Resizes are reported in ``KeyDiff.resized``. A resized
+            tensor has the checkpoint's dtype (the reference's values cast into
+            it), and a dtype that differs is handled as the policy's ``dtype``
+            action says, as for any dtype mismatch.
         fresh: ``"reference"`` backfills the optimizer state of a parameter the
             checkpoint has no state for from the reference (for DSD's reference:
             its zero-gradient step, Adam ``step == 1``); ``"as_fresh"`` leaves it
@@ -273,6 +281,7 @@ def check(
     """
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     shapes = _shape_choice(on_shape_mismatch)
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(checkpoint, rename, pol, convert=convert, stacklevel=3)
     outcome = run(checkpoint, reference, merge=False, conflicts=pol.conflict != "ignore")
     if shapes == "resize":
@@ -349,6 +358,7 @@ def merge_resolved(
             f"max_resize_bytes must be a number of bytes (an int >= 0) or None, got "
             f"{short_repr(max_resize_bytes)}"
         )
+    checkpoint, reference = _one_spelling(checkpoint, reference)
     checkpoint, extra = _renamed(
         checkpoint, rename, policy, convert=convert, stacklevel=stacklevel + 1
     )
@@ -374,18 +384,24 @@ def merge_resolved(
         reference=reference,
     )
     resized: list[Resized] = []
+    put: dict[str, Any] = {}  # what each reshaped key holds now
     for m in diff.mismatched:
         if not reshaped(m):  # a 0-d against a 1-element tensor keeps the checkpoint's
             continue
         slot = outcome.take_reference[m.key]
-        if shapes == "resize":  # each new tensor is made once, here
+        if shapes == "resize":  # each new tensor is made once, here, in the checkpoint's dtype
             try:
-                slot.put(resize(slot.checkpoint, slot.reference))
+                put[m.key] = resize(slot.checkpoint, slot.reference, dtype=slot.checkpoint.dtype)
             except MergeError as err:  # allocating it failed
                 raise MergeError(f"{m.key!r}: {err}", diff=diff) from err
+            slot.put(put[m.key])
             resized.append(Resized.from_mismatch(m))
         else:  # not raised: torch would reject the checkpoint's tensor
+            put[m.key] = slot.reference
             slot()
+    for _, source, put_tied in outcome.ties:  # a tied key holds what its key holds
+        if source in put:
+            put_tied(put[source])
     if resized:
         diff = dataclasses.replace(diff, resized=tuple(resized))
     assert outcome.merged is not None
@@ -393,6 +409,13 @@ def merge_resolved(
     if fresh == "as_fresh" and diff.missing:
         merged = _without_fresh_state(merged, checkpoint, diff.missing)
     return Merged(_with_metadata(merged, checkpoint, reference), diff, conflicts)
+
+
+def _one_spelling(
+    checkpoint: Mapping[Any, Any], reference: Mapping[Any, Any]
+) -> tuple[Mapping[Any, Any], Mapping[Any, Any]]:
+    """Both sides with the int keys a DCP round trip spelled as strings made int (see _ids)."""
+    return one_spelling(checkpoint, reference)
 
 
 def _fresh_choice(fresh: object) -> None:
@@ -408,7 +431,11 @@ def _without_fresh_state(
     """``merged`` without the backfilled state of parameters the checkpoint has no state for.
 
     Nested optimizer state dicts (also inside whole checkpoints) lose those
-    parameters' entries; flat ones their ``state.<fqn>.*`` keys.
+    parameters' entries; flat ones their ``state.<fqn>.*`` keys. A checkpoint entry
+    that holds no value (schedulefree's ``{}``, heavyball's ``{0: {}}``: made for a
+    parameter that never got a gradient) is no state either: it is kept as it is, with
+    nothing backfilled into it (heavyball's schedule-free step turns a zero-gradient
+    step's state next to the checkpoint's step counters into NaN).
     """
     if classify(merged) is Layout.FLAT:
         return _flat_without_fresh_state(merged, checkpoint, missing)
@@ -427,7 +454,7 @@ def _without_fresh_state(
                 if isinstance(pid, (int, str))
             }
             node[STATE] = {
-                pid: entry
+                pid: (c_state[pid] if _hollow(c_state[pid]) else entry) if pid in c_state else entry
                 for pid, entry in node[STATE].items()
                 if pid in c_state or pid not in members
             }
@@ -448,17 +475,39 @@ def _without_fresh_state(
     return out
 
 
+def _hollow(entry: Any) -> bool:
+    """Whether a state entry is mappings all the way down, without one value."""
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return False
+            if len(stack) < 64:
+                stack.append(v)
+    return True
+
+
 def _flat_without_fresh_state(
     merged: dict[Any, Any], checkpoint: Mapping[Any, Any], missing: Sequence[str]
 ) -> dict[Any, Any]:
+    """``merged`` without the backfilled ``P state.<fqn>.*`` keys of stateless parameters.
+
+    Only under the prefixes ``P`` of flattened optimizers, told by their shape
+    (:func:`~dsdmerge.layout.optimizer_sections`): a model's module named ``state`` is
+    no optimizer state.
+    """
     fqns: dict[str, set[str]] = {}  # "<prefix>state." -> the fqns of its param_groups keys
     stateful: dict[str, set[str]] = {}  # "<prefix>state." -> fqns the checkpoint has state for
+    heads = [p + STATE_PREFIX for p in optimizer_sections(merged)]
+    heads.sort(key=len, reverse=True)  # the longest first: the innermost section
     drop = []
     for key in missing:
-        at = 0 if key.startswith(STATE_PREFIX) else key.find("." + STATE_PREFIX) + 1
-        if at == 0 and not key.startswith(STATE_PREFIX):
+        head = next((h for h in heads if key.startswith(h)), None)
+        if head is None:
             continue
-        head = key[: at + len(STATE_PREFIX)]
         if head not in fqns:
             groups = head[: -len(STATE_PREFIX)] + PG_PREFIX
             known = {k[len(groups) :].rpartition(".")[0] for k in merged if k.startswith(groups)}
@@ -522,9 +571,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _optimizer_key(key: str) -> bool:
-    """Whether a flat key spells optimizer state (``state.<fqn>.<name>``, maybe under a prefix)."""
-    return key.startswith(STATE_PREFIX) or ("." + STATE_PREFIX) in key
+def _state_heads(reference: Mapping[Any, Any]) -> tuple[str, ...]:
+    """``P + "state."`` for each flattened optimizer section ``P`` of the (flattened) reference.
+
+    A key under one of them is optimizer state; told by the optimizer's shape
+    (:func:`~dsdmerge.layout.optimizer_sections`), not by a segment named ``state``.
+    """
+    flat = reference if classify(reference) is Layout.FLAT else flatten(reference)
+    return tuple(p + STATE_PREFIX for p in optimizer_sections(flat))
 
 
 def _shape_choice(value: object) -> OnShapeMismatch:
@@ -597,18 +651,28 @@ def _resize_budget(
     """A finding (raised) when the resizes would take more bytes than allowed.
 
     Allowed: ``max_bytes``, else the bytes the checkpoint's and the reference's tensors
-    hold (so a reference of a few bytes, an expanded tensor claiming any shape, cannot
-    make a merge allocate more than its inputs take).
+    hold, the reference's counted in the widest dtype a resize makes from it (a resize
+    keeps the checkpoint's dtype: a bfloat16 reference grown into a float64 checkpoint
+    tensor takes four times its bytes). So a reference of a few bytes, an expanded
+    tensor claiming any shape, cannot make a merge allocate more than a small multiple
+    of what its inputs take.
     """
     needs: dict[str, int] = {}
+    widen = 1.0  # the largest (result itemsize / reference itemsize) among the resizes
     for m in outcome.mismatches:
         if reshaped(m):
             slot = outcome.take_reference[m.key]
-            needs[m.key] = resize_nbytes(slot.checkpoint, slot.reference)
+            dtype = slot.checkpoint.dtype
+            needs[m.key] = resize_nbytes(slot.checkpoint, slot.reference, dtype=dtype)
+            widen = max(widen, dtype.itemsize / slot.reference.element_size())
     total = sum(needs.values())
     if not total:
         return []
-    allowed = max_bytes if max_bytes is not None else held_nbytes(checkpoint, reference)
+    allowed = (
+        max_bytes
+        if max_bytes is not None
+        else held_nbytes(checkpoint, reference) + int((widen - 1) * held_nbytes(reference))
+    )
     if total <= allowed:
         return []
     worst = max(needs, key=needs.__getitem__)
@@ -650,19 +714,27 @@ def apply_policy(
     resized); ``renames``: the suggested renames, for the diff and the messages;
     ``reference``: to tell a checkpoint that shares no key with it.
     """
+    tied = tuple((key, source) for key, source, _ in outcome.ties)
     diff = KeyDiff(
         tuple(outcome.missing),
         tuple(outcome.unexpected),
         tuple(outcome.mismatches),
         renames=renames,
+        tied=tied,
     )
     conflicts = tuple(outcome.conflicts)
     allowed_missing = matcher(policy.allow_missing)
     allowed_unexpected = matcher(policy.allow_unexpected)
-    missing = [k for k in diff.missing if not allowed_missing(k)]
+    tied_keys = {key for key, _ in tied}
+    missing = [k for k in diff.missing if not allowed_missing(k) and k not in tied_keys]
     unexpected = [k for k in diff.unexpected if not allowed_unexpected(k)]
     shape = [m for m in diff.mismatched if reshaped(m)]
-    dtype = [m for m in diff.mismatched if m.dtype_differs and not reshaped(m)]
+    # a resized tensor keeps the checkpoint's dtype, as any kept tensor does: the dtype rule
+    dtype = [
+        m
+        for m in diff.mismatched
+        if m.dtype_differs and (not reshaped(m) or on_shape_mismatch == "resize")
+    ]
     findings: list[tuple[Action, str]] = list(extra)
     if (
         reference is not None
@@ -685,6 +757,10 @@ def apply_policy(
                 ),
             )
         )
+    shown_ties = [(key, source) for key, source in tied if not allowed_missing(key)]
+    if shown_ties:  # never refused: nothing is lost or taken from the reference
+        said: Action = "warn" if policy.missing == "raise" else policy.missing
+        findings.append((said, _tied_line(shown_ties)))
     if unexpected:
         fate = "dropped" if policy.drop_unexpected else "kept"
         findings.append(
@@ -698,21 +774,40 @@ def apply_policy(
                 ),
             )
         )
-    model_shape = [m for m in shape if not _optimizer_key(m.key)]
-    state_shape = [m for m in shape if _optimizer_key(m.key)]
+    heads = _state_heads(reference) if shape and reference is not None else ()
+    state_shape = [m for m in shape if m.key.startswith(heads)] if heads else []
+    model_shape = [m for m in shape if not heads or not m.key.startswith(heads)]
     if model_shape:
         findings.append(_shape_finding(model_shape, policy, on_shape_mismatch, _REJECTS))
     if state_shape:
         findings.append(_shape_finding(state_shape, policy, on_shape_mismatch, _STATE_SHAPE))
-    if dtype:
+    lossy = [m for m in dtype if _drops_imaginary(m, resized=reshaped(m))]
+    plain = [m for m in dtype if m not in lossy]
+    if plain:
         findings.append(
             (
                 policy.dtype,
                 _mismatch_line(
                     policy.dtype,
-                    dtype,
+                    plain,
                     "dtype",
-                    "the checkpoint's tensors are kept and torch casts them on load",
+                    "the checkpoint's dtypes are kept (resized tensors too) and torch casts "
+                    "them on load",
+                ),
+            )
+        )
+    if lossy:  # never silent: a warning at least
+        loud: Action = "warn" if policy.dtype == "ignore" else policy.dtype
+        findings.append(
+            (
+                loud,
+                _mismatch_line(
+                    loud,
+                    lossy,
+                    "dtype",
+                    "complex and real: the checkpoint's dtypes are kept (resized tensors too), "
+                    "and the cast to the real dtype (torch's on load, or a resize's of the "
+                    "reference's values) drops the imaginary part",
                 ),
             )
         )
@@ -790,6 +885,20 @@ def _shape_finding(
     )
 
 
+def _drops_imaginary(m: Mismatch, *, resized: bool) -> bool:
+    """Whether keeping the checkpoint's dtype ends in a cast from complex to real.
+
+    On load, a complex checkpoint tensor into a real parameter; in a resize, the
+    reference's complex values into a real checkpoint dtype.
+    """
+    c, r = _is_complex(m.checkpoint.dtype), _is_complex(m.reference.dtype)
+    return (c and not r) or (resized and r and not c)
+
+
+def _is_complex(dtype: Any) -> bool:
+    return bool(getattr(dtype, "is_complex", False))
+
+
 def _shares_nothing(diff: KeyDiff, reference: Mapping[Any, Any]) -> bool:
     """Whether no key of the reference is in the checkpoint (every one of them is missing)."""
     if classify(reference) is Layout.FLAT:
@@ -849,6 +958,16 @@ def _nothing_shared(diff: KeyDiff) -> str:
     else:
         text += " (is it the checkpoint of another model, or another part of it?)"
     return text + ". To merge anyway, allow-list every key (allow_missing, allow_unexpected)."
+
+
+def _tied_line(ties: Sequence[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{key!r} takes {source!r}" for key, source in ties[:5])
+    more = f" and {len(ties) - 5} more" if len(ties) > 5 else ""
+    return (
+        f"{len(ties)} key(s) missing from the checkpoint are tied in the reference (one "
+        f"tensor) to a key the checkpoint has, and take its tensor so that loading keeps the "
+        f"tie: {shown}{more}; pass allow_missing=[<glob>, ...] to accept them silently."
+    )
 
 
 def _keys_line(action: Action, keys: Sequence[str], what: str, allow: str) -> str:

@@ -4,26 +4,40 @@ A :class:`Policy` is a frozen value with one action per situation. The three
 built-in policies are :data:`DEFAULT`, :data:`WARN` and :data:`STRICT`; build a
 custom one with :class:`Policy` directly or with :meth:`Policy.replace`.
 
-========================  ===========  ============  ============
-situation                 ``default``  ``warn``      ``strict``
-========================  ===========  ============  ============
-missing key               backfill     backfill +    error
-                                       warning
-unexpected key            kept         kept +        error
-                                       warning
-tensor shape mismatch     error        error         error
-tensor dtype mismatch     kept         kept +        error
-                                       warning
-group hyperparameter      -            warning       error
-conflict
-no key shared (unrelated) error        error         error
-rename rule that          warning      warning       error
-matches no key
-========================  ===========  ============  ============
+==================================  ================  ================  ============
+situation                           ``default``       ``warn``          ``strict``
+==================================  ================  ================  ============
+missing key                         backfilled        backfilled +      error
+                                                      warning
+missing key tied in the reference   takes that        takes it +        takes it +
+to a key the checkpoint has         key's tensor      warning           warning
+unexpected key                      kept              kept + warning    error
+tensor shape mismatch               error             error             error
+... ``on_shape_mismatch="resize"``  resized           resized +         resized +
+                                                      warning           warning
+... ``"take_reference"``            reference's +     reference's +     reference's
+                                    warning           warning           + warning
+tensor dtype mismatch (resized      checkpoint's      kept + warning    error
+tensors too)                        dtype kept
+... complex to real                 kept + warning    kept + warning    error
+group members disagree on a         settled +         settled +         error
+hyperparameter (conflict)           warning           warning
+... a moved parameter               takes its new     same + warning    error
+                                    group's value +
+                                    warning
+... a backfilled key of such a      the value most    same + warning    error
+group (ambiguous)                   members hold +
+                                    warning
+no key shared (unrelated)           error             error             error
+rename rule that matches no key     warning           warning           error
+==================================  ================  ================  ============
 
 Keys matching ``allow_missing`` / ``allow_unexpected`` (fnmatch globs over flat
 keys, or exact patterns as reports print them, ``layers.{0..5}.indexer.{bias,weight}``)
-are backfilled / kept without a word under every policy.
+are backfilled / kept without a word under every policy. What a merge returns never
+depends on an action, only whether it goes on quietly, warns or raises. How groups
+are settled, moved parameters found and tied keys told: :mod:`dsdmerge._groups`,
+:func:`dsdmerge._tensors.tied`.
 """
 
 from __future__ import annotations
@@ -79,11 +93,15 @@ class Policy:
     """What a merge does about each kind of difference.
 
     Every action is ``"ignore"``, ``"warn"`` or ``"raise"``. A missing key that
-    is not raised is backfilled from the reference; an unexpected key that is
-    not raised is kept (or dropped, with ``drop_unexpected``); a dtype mismatch
-    that is not raised keeps the checkpoint's tensor (torch casts it on load);
-    a shape mismatch that is not raised takes the reference's tensor, since
-    torch would reject the checkpoint's.
+    is not raised is backfilled from the reference (a key tied to one the
+    checkpoint has takes its tensor, never refused: ``missing``'s action, a
+    warning at most); an unexpected key that is not raised is kept (or dropped,
+    with ``drop_unexpected``); a dtype mismatch that is not raised keeps the
+    checkpoint's dtype (torch casts it on load; one that drops an imaginary part
+    is warned about at least); a shape mismatch that is not raised takes the
+    reference's tensor, since torch would reject the checkpoint's; a param group
+    whose checkpoint members disagree is settled (see the module docstring) whatever
+    ``conflict`` says.
 
     Attributes:
         missing: For keys in the reference but not in the checkpoint.
@@ -91,7 +109,8 @@ class Policy:
         shape: For tensors whose shapes differ.
         dtype: For tensors whose dtypes differ.
         conflict: For checkpoint members of one param group that disagree on a
-            hyperparameter (torch silently uses the first member's value).
+            hyperparameter (torch silently uses the first member's value), a
+            parameter moved to another group among them: warned by default.
         unrelated: For a checkpoint that shares no key with the reference (a
             wrapper's prefix such as DDP's ``module.``, or another model): a
             merge would keep none of it. Not raised when allow-lists cover every
@@ -115,7 +134,7 @@ class Policy:
     unexpected: Action = "ignore"
     shape: Action = "raise"
     dtype: Action = "ignore"
-    conflict: Action = "ignore"
+    conflict: Action = "warn"
     unrelated: Action = "raise"
     unmatched_rename: Action = "warn"
     allow_missing: tuple[str, ...] = ()
@@ -233,9 +252,10 @@ def _never(key: str) -> bool:
 
 
 DEFAULT = Policy(name="default")
-"""Backfill missing keys, keep unexpected ones, keep dtype mismatches, raise on shape mismatches."""
+"""Backfill missing keys, keep unexpected ones and dtype mismatches, raise on shape mismatches,
+warn about param groups whose members disagree."""
 
-WARN = Policy(missing="warn", unexpected="warn", dtype="warn", conflict="warn", name="warn")
+WARN = Policy(missing="warn", unexpected="warn", dtype="warn", name="warn")
 """Like :data:`DEFAULT`, plus one summarised :class:`~dsdmerge.DSDMergeWarning` per kind of
 difference."""
 

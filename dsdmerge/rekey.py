@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from itertools import chain
 from typing import Any
 
+from dsdmerge._ids import normalise_ids
 from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, is_optimizer_state_dict
@@ -47,8 +48,13 @@ def rekey(
     given, must list exactly those fqns in that order (the new optimizer's
     parameter order), and a ``param_names`` entry is kept.
 
-    State that belongs to no parameter (a key not listed in any group) is kept
-    under its key. Does not modify its input; new containers, shared leaves.
+    State that belongs to no parameter (a key not listed in any group, such as
+    MADGRAD's ``state['k']``) is kept under its key, and so are the optimizer's
+    own top-level keys besides ``state`` and ``param_groups`` (heavyball's, timm
+    Kron's ``rng_state``). Int ids a DCP round trip spelled as strings (``'0'``)
+    are read as the ints. Nothing is dropped: a state key that would land on the
+    name another key gets (``0`` next to ``'0'``, or next to the fqn ``0``
+    becomes) is refused. Does not modify its input; new containers, shared leaves.
 
     Args:
         optimizer_state_dict: A nested optimizer state dict, int- or fqn-keyed.
@@ -61,7 +67,8 @@ def rekey(
     Raises:
         LayoutError: Too few or too many names (naming both counts), a name
             listed twice, no ``names`` and no ``param_names``, names that do not
-            match the groups' fqns, or not a nested optimizer state dict.
+            match the groups' fqns, two state keys that would get one name
+            (naming them), or not a nested optimizer state dict.
         StateDictTypeError: A name is not a str, or ids of both kinds are mixed.
 
     Example:
@@ -80,6 +87,7 @@ def rekey(
             "optimizer.state_dict() or get_optimizer_state_dict returns; flatten it back with "
             "dsdmerge.unflatten first if it is flat"
         )
+    optimizer_state_dict = normalise_ids(optimizer_state_dict, what="the optimizer state dict")
     groups = optimizer_state_dict[PARAM_GROUPS]
     for i, group in enumerate(groups):
         if not isinstance(group, Mapping) or not isinstance(group.get(PARAMS), (list, tuple)):
@@ -144,23 +152,51 @@ def _to_fqns(osd: Mapping[Any, Any], ids: list[int], names: Iterable[Any] | None
     if len(set(ids)) != len(ids):
         raise LayoutError("rekey: a param id is listed twice in the param groups")
     by_id = dict(zip(ids, fqns, strict=True))
-    state = {
-        by_id.get(k, k) if type(k) is int else _str_id(k, by_id): copy_tree(v, STATE)
-        for k, v in osd[STATE].items()
-    }
+    state = _rekeyed_state(osd[STATE], lambda k: by_id.get(k, k) if type(k) is int else k)
     out_groups = []
     for group in groups:
         g = dict(group)
         g[PARAMS] = [by_id[pid] for pid in group[PARAMS]]
         out_groups.append(g)
-    return {STATE: state, PARAM_GROUPS: out_groups}
+    return _with_extras(osd, state, out_groups)
 
 
-def _str_id(key: Any, by_id: Mapping[int, str]) -> Any:
-    """A state key a DCP round trip turned into a string (``'0'``) maps like its int."""
-    if type(key) is str and key.isdigit() and key.isascii():
-        return by_id.get(int(key), key)
-    return key
+def _rekeyed_state(state: Mapping[Any, Any], new_key: Any) -> dict[Any, Any]:
+    """``state`` under new keys, each value a new container; two keys on one name refused."""
+    out: dict[Any, Any] = {}
+    origin: dict[Any, Any] = {}
+    clashes: list[str] = []
+    for k, v in state.items():
+        key = new_key(k)
+        if key in out:
+            clashes.append(f"{short_repr(origin[key])} and {short_repr(k)} both become {key!r}")
+            continue
+        origin[key] = k
+        out[key] = copy_tree(v, STATE)
+    if clashes:
+        more = f" and {len(clashes) - 5} more" if len(clashes) > 5 else ""
+        raise LayoutError(
+            f"rekey: state keys would land on one name ({'; '.join(clashes[:5])}{more}), and one "
+            "of them would be lost: a state key that is no param id (optimizer-level state, or a "
+            "leftover) must not be spelled like a name a param id becomes. Remove the leftover "
+            "entry, or rekey a state dict that holds one spelling of each parameter."
+        )
+    return out
+
+
+def _with_extras(
+    osd: Mapping[Any, Any], state: dict[Any, Any], groups: list[Any]
+) -> dict[str, Any]:
+    """The rekeyed state dict, with the optimizer's own top-level keys in their place."""
+    out: dict[str, Any] = {}
+    for k, v in osd.items():
+        if k == STATE:
+            out[STATE] = state
+        elif k == PARAM_GROUPS:
+            out[PARAM_GROUPS] = groups
+        else:
+            out[k] = v
+    return out
 
 
 def _to_ids(osd: Mapping[Any, Any], fqns: list[str], names: Iterable[Any] | None) -> dict[str, Any]:
@@ -181,10 +217,10 @@ def _to_ids(osd: Mapping[Any, Any], fqns: list[str], names: Iterable[Any] | None
     if len(set(fqns)) != len(fqns):
         raise LayoutError("rekey: an fqn is listed twice in the param groups")
     by_fqn = {fqn: i for i, fqn in enumerate(fqns)}
-    state = {by_fqn.get(k, k): copy_tree(v, STATE) for k, v in osd[STATE].items()}
+    state = _rekeyed_state(osd[STATE], lambda k: by_fqn.get(k, k) if type(k) is str else k)
     out_groups = []
     for group in osd[PARAM_GROUPS]:
         g = dict(group)
         g[PARAMS] = [by_fqn[f] for f in group[PARAMS]]
         out_groups.append(g)
-    return {STATE: state, PARAM_GROUPS: out_groups}
+    return _with_extras(osd, state, out_groups)

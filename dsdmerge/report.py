@@ -732,8 +732,9 @@ def render(
     if not diff:
         return "no differences"
     lines: list[str] = []
+    tied = {key for key, _ in diff.tied}  # (listed on their own, below)
     for name, keys, what in (
-        ("missing", diff.missing, _MISSING),
+        ("missing", [k for k in diff.missing if k not in tied] if tied else diff.missing, _MISSING),
         ("unexpected", diff.unexpected, _UNEXPECTED),
     ):
         if keys:
@@ -797,6 +798,14 @@ def render(
         lines.extend(_rows([(p.count, _resized_text(p, r)) for p, r in rs[:limit]], table, color))
         if len(rs) > limit:
             lines.append("  " + _paint(f"... and {_rest([p for p, _ in rs], limit)}", "dim", color))
+    if diff.tied:
+        lines.append(
+            f"{_plural(len(diff.tied), 'missing key')} tied to a key the checkpoint has (one "
+            "tensor in the reference; each takes that key's tensor):"
+        )
+        lines.extend(f"  {key} <- {source}" for key, source in diff.tied[:limit])
+        if len(diff.tied) > limit:
+            lines.append("  " + _paint(f"... and {len(diff.tied) - limit} more", "dim", color))
     return "\n".join(lines)
 
 

@@ -6,9 +6,15 @@ checkpoint's tensors and their optimizer moments have the old shape. With
 ``on_shape_mismatch="resize"``, :func:`~dsdmerge.merge` gives each such key
 (the weight, and ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer`` or any state
 field of the same parameter whose shape differs) a new tensor of the
-reference's shape, dtype and device that holds the overlapping leading slice of
+reference's shape and device that holds the overlapping leading slice of
 the checkpoint's tensor and the reference's values everywhere else; scalars
 such as ``step`` keep the checkpoint's value (their shapes agree).
+
+The dtype follows the rule of any dtype mismatch: the merge keeps the
+checkpoint's dtype (the reference's values are cast into it) and torch casts on
+load, while the policy's ``dtype`` action decides whether to say so (``strict``
+refuses, ``warn`` warns); a cast that drops an imaginary part is warned about
+under every policy that does not refuse it.
 
 These are the only tensors dsdmerge ever creates: one allocation per resized
 key (a clone of the reference, then one copy of the overlap into it). Every
@@ -61,22 +67,27 @@ def why_not_resizable(checkpoint: Any, reference: Any) -> str | None:
     return None
 
 
-def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor:
+def resize(
+    checkpoint: torch.Tensor, reference: torch.Tensor, /, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A new tensor like ``reference`` holding the overlapping leading slice of ``checkpoint``.
 
-    The result has the reference's shape, dtype, device and strides; along each
-    dimension, indices below both sizes hold the checkpoint's values (cast to the
-    reference's dtype and moved to its device), all others the reference's. A
-    grown dimension keeps every trained row; a shrunk one keeps the leading rows.
-    One allocation (a clone of the reference) and one copy of the overlap. When
-    shape, dtype and device already agree, ``checkpoint`` itself is returned.
-    Does not modify its inputs; the result is a new tensor (the only kind of
-    value dsdmerge ever creates), never tracked by autograd.
+    The result has the reference's shape, device and strides, and ``dtype`` (the
+    reference's by default); along each dimension, indices below both sizes hold
+    the checkpoint's values (cast and moved as needed), all others the
+    reference's. A grown dimension keeps every trained row; a shrunk one keeps
+    the leading rows. One allocation (a copy of the reference in ``dtype``) and
+    one copy of the overlap. When shape, dtype and device already agree,
+    ``checkpoint`` itself is returned. Does not modify its inputs; the result is
+    a new tensor (the only kind of value dsdmerge ever creates), never tracked
+    by autograd. A complex value cast to a real dtype keeps its real part.
 
     Args:
         checkpoint: The trained tensor.
         reference: A tensor of the new shape, e.g. the fresh model's parameter
             or optimizer state.
+        dtype: The result's dtype; :func:`~dsdmerge.merge` passes the
+            checkpoint's (torch casts on load, as for any dtype mismatch).
 
     Returns:
         The new tensor.
@@ -93,13 +104,17 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
         tensor([[1., 1.],
                 [1., 1.],
                 [0., 0.]])
+        >>> dm.resize(torch.ones(2, dtype=torch.float64), torch.zeros(3), dtype=torch.float64)
+        tensor([1., 1., 0.], dtype=torch.float64)
     """
     problem = why_not_resizable(checkpoint, reference)
     if problem is not None:
         raise StateDictTypeError(f"cannot resize: {problem}")
+    if dtype is None:
+        dtype = reference.dtype
     if (
         checkpoint.shape == reference.shape
-        and checkpoint.dtype == reference.dtype
+        and checkpoint.dtype == dtype
         and checkpoint.device == reference.device
     ):
         return checkpoint
@@ -108,19 +123,22 @@ def resize(checkpoint: torch.Tensor, reference: torch.Tensor, /) -> torch.Tensor
     )
     try:
         with torch.no_grad():
-            out = reference.detach().clone()
-            out[overlap].copy_(checkpoint.detach()[overlap])
+            out = _real_part(reference.detach(), dtype).to(dtype=dtype, copy=True)
+            out[overlap].copy_(_real_part(checkpoint.detach()[overlap], dtype))
     except (RuntimeError, MemoryError) as err:  # torch's allocators raise RuntimeError
         text = " ".join(str(err).split())[:200] or type(err).__name__
+        nbytes = resize_nbytes(checkpoint, reference, dtype=dtype)
         raise MergeError(
-            f"cannot resize: a {list(reference.shape)} {reference.dtype} tensor of "
-            f"{resize_nbytes(checkpoint, reference):,} bytes could not be made ({text})"
+            f"cannot resize: a {list(reference.shape)} {dtype} tensor of "
+            f"{nbytes:,} bytes could not be made ({text})"
         ) from None
     return out
 
 
-def resize_nbytes(checkpoint: Any, reference: Any, /) -> int:
+def resize_nbytes(checkpoint: Any, reference: Any, /, *, dtype: torch.dtype | None = None) -> int:
     """The bytes :func:`resize` allocates for this pair (0 when it returns ``checkpoint``).
+
+    ``dtype`` is the one :func:`resize` would be given (the reference's by default).
 
     Example:
         >>> import torch
@@ -128,13 +146,15 @@ def resize_nbytes(checkpoint: Any, reference: Any, /) -> int:
         >>> resize_nbytes(torch.ones(2), torch.zeros(4096, 4096).expand(3, 4096, 4096))
         201326592
     """
+    if dtype is None:
+        dtype = reference.dtype
     if (
         checkpoint.shape == reference.shape
-        and checkpoint.dtype == reference.dtype
+        and checkpoint.dtype == dtype
         and checkpoint.device == reference.device
     ):
         return 0
-    return int(reference.numel()) * int(reference.element_size())
+    return int(reference.numel()) * dtype.itemsize
 
 
 def held_nbytes(*trees: Any) -> int:
@@ -171,3 +191,12 @@ def held_nbytes(*trees: Any) -> int:
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
     return total
+
+
+def _real_part(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor``, or its real part when it is complex and ``dtype`` is not.
+
+    (torch's own cast keeps the real part too, with a warning about it; the merge
+    reports that cast itself.)
+    """
+    return tensor.real if tensor.is_complex() and not dtype.is_complex else tensor

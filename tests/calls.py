@@ -40,7 +40,7 @@ CALLS: dict[str, Callable[[Any, Any], Any]] = {
     "str(diff(a, b))": lambda a, b: str(dm.diff(a, b)),
     "diff(a, b).to_dict()": lambda a, b: dm.diff(a, b).to_dict(),
     "diff(flatten(a), b)": lambda a, b: dm.diff(_flat_of(a), b),
-    "merge(a, b)": lambda a, b: dm.merge(a, b),
+    "merge(a, b)": lambda a, b: _quiet(lambda: dm.merge(a, b)),
     "merge(a, b, warn)": lambda a, b: _quiet(lambda: dm.merge(a, b, policy="warn")),
     "merge(a, b, strict)": lambda a, b: dm.merge(a, b, policy="strict"),
     "merge(a, b, loose)": lambda a, b: _quiet(lambda: dm.merge(a, b, policy=LOOSE)),

@@ -41,6 +41,7 @@ def assert_same_outcome(c, r, **options):
     assert fast.mismatches == plain.mismatches
     assert fast.conflicts == plain.conflicts
     assert fast.problems == plain.problems
+    assert [t[:2] for t in fast.ties] == [t[:2] for t in plain.ties]
     assert (fast.merged is None) == (plain.merged is None)
     if fast.merged is None:
         return

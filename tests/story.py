@@ -610,3 +610,89 @@ def run_differences(expected: Mapping[str, Any], run: Run) -> list[str]:
     out += [f"optimizer {d}" for d in tree_differences(expected["optim"], actual["optim"])]
     out += [f"scheduler {d}" for d in tree_differences(expected["sched"], actual["sched"])]
     return out
+
+
+# --------------------------------------------------------------------------------------
+# the stories, computed once per session
+
+
+class Stories:
+    """Stories and plain-torch controls, computed once per session and spec."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[tuple[str, str], Story] = {}
+        self.controls: dict[str, str | None] = {}
+        self.count = 0
+
+    def serial(self) -> int:
+        self.count += 1
+        return self.count
+
+    def get(self, spec: Spec, **model_kwargs: Any) -> Story:
+        key = (spec.id, repr(sorted(model_kwargs.items())))
+        if key not in self.cache:
+            where = self.root / f"{spec.id}-{len(self.cache)}"
+            self.cache[key] = make_story(spec, where, **model_kwargs)
+        return self.cache[key]
+
+    def control(self, spec: Spec, layout: str = "int") -> str | None:
+        """Why plain torch does not round-trip ``spec`` (``None``: it does, bit for bit).
+
+        ``int``: ``Optimizer.load_state_dict`` of the int-id file. ``flat``/``nested``:
+        DSD's ``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``, so
+        the same load without the optimizer's other top-level keys (heavyball's own key):
+        what DSD does not save, no loader can give back.
+        """
+        key = f"{spec.id}/{'int' if layout == 'int' else 'dsd'}"
+        if key not in self.controls:
+            self.controls[key] = plain_torch_resume(spec, self.get(spec), dsd=layout != "int")
+        return self.controls[key]
+
+
+def plain_torch_resume(spec: Spec, st: Story, *, dsd: bool = False) -> str | None:
+    """The story with torch's own loader: ``Optimizer.load_state_dict`` of the int-id file.
+
+    ``dsd``: first check that DSD's nested file holds what ``optimizer.state_dict()`` holds
+    (``state`` and ``param_groups``, fqns mapped back to ids); then, if the optimizer has other
+    top-level keys (DSD drops them), the same load without them.
+    """
+    if "int" not in st.files:
+        return f"{spec.id}: torch cannot save its optimizer.state_dict(): {st.save_errors['int']}"
+    try:
+        loaded = load(st.files["int"])
+    except Exception as err:  # noqa: BLE001 - the control reports whatever torch raises
+        return f"{spec.id}: torch.load(weights_only=True) refuses its state dict: {err}"
+    optim_sd = loaded["optim"]
+    dropped = sorted(k for k in optim_sd if k not in ("state", "param_groups"))
+    run = build(spec)
+    if dsd:
+        if "nested" not in st.files:
+            return f"{spec.id}: DSD's get_optimizer_state_dict cannot save it: {st.save_errors}"
+        # what DSD saved (fqn-keyed) is what optimizer.state_dict() saved, id for id
+        lost = tree_differences(
+            {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]},
+            nested_to_ids(load(st.files["nested"])["optim"], run),
+        )
+        if lost:
+            return f"{spec.id}: DSD's nested save differs from optimizer.state_dict(): {lost[:3]}"
+        if not dropped:
+            return None  # then the int-id control's load is exactly this one
+        optim_sd = {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]}
+    try:
+        run.model.load_state_dict(loaded["model"])
+        run.optim.load_state_dict(optim_sd)
+        run.sched.load_state_dict(loaded["sched"])
+        after_save(run)
+        step(run, N_STEPS)
+    except Exception as err:  # noqa: BLE001 - the control reports whatever torch raises
+        return f"{spec.id}: plain torch fails to resume it: {type(err).__name__}: {err}"
+    diffs = run_differences(st.final, run)
+    if diffs and dsd:
+        return (
+            f"{spec.id}: DSD's get_optimizer_state_dict does not save its top-level "
+            f"key(s) {dropped}, and without them it does not resume bit for bit: {diffs[:3]}"
+        )
+    if diffs:
+        return f"{spec.id}: plain torch does not round-trip it bit for bit: {diffs[:3]}"
+    return None

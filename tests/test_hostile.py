@@ -43,7 +43,7 @@ def osd(groups, state=None):
 # -- properties ------------------------------------------------------------------------
 
 KEEP = dm.Policy(
-    shape="ignore", unrelated="ignore"
+    shape="ignore", unrelated="ignore", conflict="ignore"
 )  # merge everything that can be merged, keep unexpected keys
 
 
@@ -115,15 +115,22 @@ def losses(a: Any, b: Any) -> list[str]:
         flat_m = _or_none(lambda: dm.flatten(merged.state_dict))
         if flat_m is not None:
             extra = flat_m.keys() - flat_a.keys() - flat_b.keys()
-            # a nested merge regroups hyperparameters: a parameter the reference dropped is in
-            # no group, one it moved takes its new group's (a checkpoint value, by identity)
+            # a merge regroups hyperparameters: nested, a parameter the reference dropped is in
+            # no group; one it moved takes its new group's (a checkpoint value, by identity),
+            # flat too (a member whose group's other members hold another value)
             nested = _or_none(lambda: dm.classify(merged.state_dict)) == "nested"
             regrouped = {
                 k
                 for k in flat_a
-                if nested
-                and "param_groups." in k
-                and (k not in flat_m or _group_filled(k, flat_m[k], flat_a, flat_b))
+                if "param_groups." in k
+                and (
+                    (nested and k not in flat_m)
+                    or (
+                        k in flat_m
+                        and flat_m[k] is not flat_a[k]
+                        and _group_filled(k, flat_m[k], flat_a, flat_b)
+                    )
+                )
             }
             lacking = (flat_a.keys() | flat_b.keys()) - flat_m.keys() - regrouped
             if lacking or not all(_group_filled(k, flat_m[k], flat_a, flat_b) for k in extra):
@@ -208,9 +215,16 @@ def test_tensor_hyperparameters_that_cannot_be_read_compare_by_identity(make):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensors are deprecated
         t = make()
-    flat = {"param_groups.a.lr": t, "param_groups.b.lr": t}
+    # (a flattened optimizer: some hyperparameter is no tensor; see test_layout.py for models)
+    flat = {
+        "param_groups.a.lr": t,
+        "param_groups.a.maximize": False,
+        "param_groups.b.lr": t,
+        "param_groups.b.maximize": False,
+    }
     assert dm.unflatten(flat)["param_groups"][0]["params"] == ["a", "b"]
-    assert dm.merge({"param_groups.a.lr": 1.0}, flat)["param_groups.b.lr"] == 1.0
+    c = {"param_groups.a.lr": 1.0, "param_groups.a.maximize": False}
+    assert dm.merge(c, flat)["param_groups.b.lr"] == 1.0
     assert freeze(t) == ("id", id(t))
 
 
@@ -408,6 +422,7 @@ def test_a_million_keys_through_every_function():
     n = 10**6
     t = torch.zeros(1)
     r = {f"layers.{i}.w": t for i in range(n)}
+    r["layers.0.w"] = torch.zeros(1)  # (its own tensor: one shared with the others is tied)
     c = dict(r)
     del c["layers.0.w"]
     c["layers.x.w"] = t

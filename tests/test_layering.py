@@ -32,6 +32,7 @@ LAYERS = [
     "dsdmerge.report",
     "dsdmerge.policy",
     "dsdmerge.layout",
+    "dsdmerge._ids",
     # the records everything below the verbs produces
     "dsdmerge._records",
     # layout conversions as data: key templates, the conversion records
@@ -64,6 +65,7 @@ LAYERS = [
     # integrations
     "dsdmerge.integrations._files",
     "dsdmerge.integrations._dcp_metadata",
+    "dsdmerge.integrations._fresh",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
     "dsdmerge.integrations._dcp_surgery",

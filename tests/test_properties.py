@@ -25,8 +25,9 @@ from dsdmerge.strategies import (
     optimizer_state_dicts,
 )
 
-# Shape mismatches raise under every built-in policy; most laws are about what merges.
-MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore")
+# Shape mismatches raise under every built-in policy; most laws are about what merges (and
+# what merges does not depend on the conflict action: it only says whether to warn or raise).
+MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore", conflict="ignore")
 
 
 # What real optimizers and trainers do (issue 10): a reference lacking state fields, heavyball's
@@ -35,15 +36,13 @@ FEATURES = {"allow_missing_fields": True, "allow_extra_keys": True, "allow_optim
 
 
 def _featured(**kw):
-    """Pairs with every opt-in feature. Flat pairs with moved parameters have no new ones: a
-    flat merge cannot tell a moved parameter's group, and refuses to pick the hyperparameters
-    of a new parameter that joins it (test_a_flat_merge_refuses_only_what_it_cannot_tell)."""
-    no_new = {**kw, "max_missing": 0}
+    """Pairs with every opt-in feature, moved parameters among them (flat too: a flat merge
+    settles the groups they make disagree, test_a_flat_merge_settles_groups_...)."""
     return st.one_of(
         checkpoint_pairs(layout="nested", **FEATURES, max_moved=2, **kw),
         checkpoint_pairs(layout="nested", keyed="id", **FEATURES, **kw, max_unexpected=0),
         checkpoint_pairs(layout="flat", **FEATURES, **kw),
-        checkpoint_pairs(layout="flat", **FEATURES, max_moved=2, **no_new),
+        checkpoint_pairs(layout="flat", **FEATURES, max_moved=2, **kw),
         checkpoint_pairs(
             layout="nested",
             allow_meta=True,
@@ -149,25 +148,119 @@ def _moved(fc, fr):
     return [p for p in ref if p in chk and chk[p]["weight_decay"] != ref[p]["weight_decay"]]
 
 
-def _held(key, fc, fr):
-    """The values the checkpoint holds for a hyperparameter key's name, over the members of its
-    group in the reference (in order), as (member, value) pairs."""
+_NONE = object()  # no value (the oracle's own sentinel)
+
+
+def _same(a, b):
+    """Equal values of one type (the strategies' hyperparameters are plain: floats, tuples, ...)."""
+    return type(a) is type(b) and a == b
+
+
+def _first_of_most(values):
+    """The value most of ``values`` hold (the first of them on a tie), ``_NONE`` if none."""
+    kinds = []  # [value, count], in order of first appearance
+    for v in values:
+        for kind in kinds:
+            if _same(kind[0], v):
+                kind[1] += 1
+                break
+        else:
+            kinds.append([v, 1])
+    best = max((n for _, n in kinds), default=0)
+    return next((v for v, n in kinds if n == best), _NONE)
+
+
+def _flat_groups(fc, fr, *, inferred):
+    """What a flat merge gives each reference hyperparameter key, and the disagreeing groups.
+
+    The rule of dsdmerge._groups restated on the strategies' data (a group is named by its
+    weight decay in the reference, flat or nested): for each group and hyperparameter, the
+    checkpoint values of its members (in the reference's order). When they agree, members
+    without one take it. When they disagree, rounds until nothing changes, each on the values
+    the rounds before wrote: a member "moved in" if every value it holds is another group's
+    usual value (the one its members agree on, else the one most of them hold); the group
+    takes the value most members hold, leaving out values only moved members hold, the first
+    on a tie; members without a value take it, and so does every member holding another one
+    (with inferred groups, only moved ones). Returns ({key: expected value}, [(weight decay,
+    name) that disagree]).
+    """
     chk, ref = _hyperparameters(fc), _hyperparameters(fr)
-    pid, _, name = key[len("param_groups.") :].rpartition(".")
-    members = _groups(ref)[ref[pid]["weight_decay"]]
-    return [(m, chk[m][name]) for m in members if name in chk.get(m, ())]
+    groups = _groups(ref)
+    names = {d: list(ref[members[0]]) for d, members in groups.items()}
+    held = {
+        (d, n): [chk.get(m, {}).get(n, _NONE) for m in members]
+        for d, members in groups.items()
+        for n in names[d]
+    }
 
+    def agreement(values):
+        present = [v for v in values if v is not _NONE]
+        if not present:
+            return _NONE
+        return present[0] if all(_same(present[0], v) for v in present) else "disagree"
 
-def _ambiguous(fc, fr):
-    """Backfilled hyperparameter keys whose reference group's checkpoint members disagree: a
-    flat merge, which infers groups from equal reference values, cannot tell those."""
-    out = []
-    for key in fr.keys() - fc.keys():
-        if key.startswith("param_groups."):
-            values = [v for _, v in _held(key, fc, fr)]
-            if any(v != values[0] for v in values):
-                out.append(key)
-    return out
+    def torn(v):
+        return isinstance(v, str) and v == "disagree"
+
+    agreed = {place: agreement(values) for place, values in held.items()}
+    disagree = [place for place, v in agreed.items() if torn(v)]
+    work = {place: list(values) for place, values in held.items()}
+    for place, v in agreed.items():  # backfilled as the merge does
+        if not torn(v) and v is not _NONE:
+            work[place] = [v if x is _NONE else x for x in work[place]]
+    for _ in range(2 * len(groups) + 2):
+        usual = {d: {} for d in groups}
+        for (d, n), values in work.items():
+            now = agreement(values)
+            if torn(now):
+                usual[d][n] = _first_of_most([v for v in values if v is not _NONE])
+            elif now is not _NONE:
+                usual[d][n] = now
+        writes = []
+        for d, n in disagree:
+            values = work[d, n]
+            if not torn(agreement(values)):
+                value = agreement(values)
+                writes.append(((d, n), [at for at, v in enumerate(values) if v is _NONE], value))
+                continue
+
+            def moved(at, d=d, usual=usual):
+                row = [(x, work[d, x][at]) for x in names[d] if work[d, x][at] is not _NONE]
+                return bool(row) and any(
+                    all(x in usual[e] and _same(usual[e][x], v) for x, v in row)
+                    for e in groups
+                    if e != d
+                )
+
+            kinds = []  # [value, holders]
+            for at, v in enumerate(values):
+                if v is not _NONE:
+                    kind = next((k for k in kinds if _same(k[0], v)), None)
+                    if kind is None:
+                        kinds.append(kind := [v, []])
+                    kind[1].append(at)
+            pool = [k for k in kinds if not all(map(moved, k[1]))] or kinds
+            best = max(len(k[1]) for k in pool)
+            value = next(k[0] for k in pool if len(k[1]) == best)
+            ats = [at for at, v in enumerate(values) if v is _NONE]
+            ats += [
+                at for k in kinds if k[0] is not value for at in k[1] if not inferred or moved(at)
+            ]
+            writes.append(((d, n), ats, value))
+        changed = False
+        for place, ats, value in writes:
+            for at in ats:
+                if work[place][at] is not value:
+                    work[place][at] = value
+                    changed = True
+        if not changed:
+            break
+    expected = {}
+    for d, n in held:
+        for m, now in zip(groups[d], work[d, n], strict=True):
+            key = f"param_groups.{m}.{n}"
+            expected[key] = fr[key] if now is _NONE else now
+    return expected, disagree
 
 
 # -- merge -----------------------------------------------------------------------------
@@ -179,6 +272,22 @@ def test_idempotence(pair, drop):
     policy = MERGING.replace(drop_unexpected=drop)
     once = dm.merge(c, r, policy=policy)
     assert same_tree(dm.merge(once, r, policy=policy), once)
+
+
+@given(pairs, st.sampled_from(["ignore", "warn"]), st.booleans())
+def test_what_a_merge_returns_does_not_depend_on_the_conflict_action(pair, action, strict):
+    """The conflict action says whether to go on quietly, warn or raise; the groups are
+    settled the same way whatever it says (and strict, when it accepts, merges the same)."""
+    c, r = pair
+    quiet = dm.merge(c, r, policy=MERGING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = dm.merge(c, r, policy=MERGING.replace(conflict=action))
+        assert same_tree(out, quiet)
+        if strict:
+            everything = dm.STRICT.replace(allow_missing="*", allow_unexpected="*", shape="ignore")
+            with contextlib.suppress(dm.MergeError):  # (refused: members disagree)
+                assert same_tree(dm.merge(c, r, policy=everything.replace(dtype="ignore")), quiet)
 
 
 @given(pairs)
@@ -246,7 +355,11 @@ def test_checkpoint_precedence_by_identity(pair):
     merged = dm.merge_with_diff(c, r, policy=MERGING)
     out, fc, fr = flat(merged.state_dict), flat(c), flat(r)
     taken = _shape_taken(merged)
-    regrouped = _regrouped(out, fc, fr) if dm.classify(c) == "nested" else set()
+    if dm.classify(c) == "nested":
+        regrouped = _regrouped(out, fc, fr)
+    else:  # a flat merge settles groups whose members disagree (a moved parameter among them)
+        expected, _ = _flat_groups(fc, fr, inferred=dm.classify(r) == "flat")
+        regrouped = {k for k in fc if k in expected and expected[k] is not fc[k]}
     # every checkpoint value is kept, the very object, unless torch would reject its shape
     # (or, nested, the reference regrouped its parameter)
     assert all(out[k] is v for k, v in fc.items() if k not in taken | regrouped)
@@ -347,12 +460,14 @@ def test_a_flat_merge_keeps_the_checkpoints_key_order_then_appends_backfills(pai
 def test_merge_commutes_with_flatten(pair):
     c, r = pair
     via_nested = flat(dm.merge(c, r, policy=MERGING))
-    if _ambiguous(flat(c), flat(r)):  # what only a nested merge can tell: it refuses flat
-        return  # (test_a_flat_merge_refuses_only_what_it_cannot_tell)
     via_flat = dm.merge(flat(c), flat(r), policy=MERGING)
     # a nested merge knows true group membership: it regroups what the reference moved or
-    # dropped (a flat one cannot tell and keeps the checkpoint's values)
+    # dropped; a flat one settles groups whose members disagree by their values (see
+    # _flat_groups): the two may differ there, and only there
     regrouped = _regrouped(via_nested, flat(c), flat(r)) if dm.classify(c) == "nested" else set()
+    _, disagree = _flat_groups(flat(c), flat(r), inferred=True)
+    groups = _groups(_hyperparameters(flat(r)))
+    regrouped |= {f"param_groups.{m}.{n}" for d, n in disagree for m in groups[d]}
     assert via_nested.keys() - _group_filled(via_nested, flat(c), flat(r)) == via_flat.keys() - {
         k for k in regrouped if k not in via_nested
     }
@@ -363,9 +478,15 @@ def test_merge_commutes_with_flatten(pair):
 def test_a_flat_checkpoint_merges_over_a_nested_reference_like_over_its_flat_form(pair):
     c, r = pair
     over_nested = dm.merge(flat(c), r, policy=MERGING)
-    if _ambiguous(flat(c), flat(r)):  # the true groups tell what the flat form cannot
-        return  # test_a_flat_merge_refuses_only_what_it_cannot_tell
-    assert over_nested == dm.merge(flat(c), flat(r), policy=MERGING)
+    over_flat = dm.merge(flat(c), flat(r), policy=MERGING)
+    # the true groups settle members that disagree, where inferred ones keep them (but moved
+    # ones): the two differ there, and only there
+    given, _ = _flat_groups(flat(c), flat(r), inferred=dm.classify(r) == "flat")
+    inferred, _ = _flat_groups(flat(c), flat(r), inferred=True)
+    differ = {k for k in given if given[k] is not inferred[k]}
+    assert over_nested.keys() == over_flat.keys()
+    assert all(over_nested[k] is over_flat[k] for k in over_flat if k not in differ)
+    assert all(over_nested[k] is given[k] and over_flat[k] is inferred[k] for k in differ)
 
 
 @given(
@@ -373,30 +494,39 @@ def test_a_flat_checkpoint_merges_over_a_nested_reference_like_over_its_flat_for
         layout="nested", **FEATURES, min_moved=1, max_moved=2, min_missing=1, max_mismatched=0
     ),
     st.sampled_from(["default", "warn", "strict"]),
+    st.booleans(),
 )
-def test_a_flat_merge_refuses_only_what_it_cannot_tell(pair, policy):
-    """Flat over flat, groups are inferred from equal reference values: a new parameter's
-    hyperparameter whose group's checkpoint members disagree (a moved parameter among them) is
-    refused under every policy, naming the key, and nothing else is. With the true groups (a
-    nested reference) the value most members hold is taken (the first of them on a tie)."""
+def test_a_flat_merge_settles_groups_that_disagree_and_says_so(pair, policy, nested_reference):
+    """Flat over flat (groups inferred from equal reference values) or over a nested reference
+    (the true groups), with moved and new parameters: every group whose checkpoint members
+    disagree is settled (see _flat_groups) and reported, one line per group and
+    hyperparameter naming every value held: a warning under default and warn, an error under
+    strict (where everything else is allowed), whose merge then changes nothing."""
     c, r = pair
     fc, fr = flat(c), flat(r)
-    ambiguous = _ambiguous(fc, fr)
-    if policy == "strict":  # everything else allowed: only what cannot be told is left to refuse
-        policy = dm.STRICT.replace(allow_missing="*", allow_unexpected="*", conflict="ignore")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if ambiguous:
-            with pytest.raises(dm.MergeError, match="cannot be told") as info:
-                dm.merge(fc, fr, policy=policy)
-            assert any(repr(k) in str(info.value) for k in ambiguous)
-        else:
-            dm.merge(fc, fr, policy=policy)
-    out = dm.merge(fc, r, policy=MERGING)
-    for key in ambiguous:
-        held = _held(key, fc, fr)
-        counts = [sum(v == w for _, w in held) for _, v in held]
-        assert out[key] is held[counts.index(max(counts))][1], key
+    ref = r if nested_reference else fr
+    expected, disagree = _flat_groups(fc, fr, inferred=not nested_reference)
+    if policy == "strict":  # everything else allowed: only the disagreement is left to refuse
+        policy = dm.STRICT.replace(allow_missing="*", allow_unexpected="*")
+        if disagree:
+            with pytest.raises(dm.MergeError, match="disagree on") as info:
+                dm.merge(fc, ref, policy=policy)
+            assert len(info.value.problems) == 1
+            return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = dm.merge_with_diff(fc, ref, policy=policy)
+    lines = merged.conflicts
+    assert len(lines) == len(disagree)
+    for line, (_, name) in zip(lines, disagree, strict=True):
+        assert f"disagree on {name!r}" in line
+        held = {repr(v) for k, v in fc.items() if k.endswith(f".{name}")}
+        assert any(h in line for h in held)
+    assert any("disagree on" in str(w.message) for w in caught) == bool(disagree)
+    out = merged.state_dict
+    assert all(out[k] is v for k, v in expected.items()), [
+        k for k, v in expected.items() if out[k] is not v
+    ]
 
 
 @given(pairs)
@@ -415,6 +545,10 @@ def test_backfilled_hyperparameters_are_the_checkpoints_for_that_group(pair):
     out, fc = flat(dm.merge(c, r, policy=MERGING)), flat(c)
     ref, chk = _hyperparameters(flat(r)), _hyperparameters(fc)
     nested = dm.classify(c) == "nested"
+    if not nested:  # groups settled by their values (see _flat_groups)
+        expected, _ = _flat_groups(fc, flat(r), inferred=dm.classify(r) == "flat")
+        assert all(out[k] is v for k, v in expected.items())
+        return
     checkpoint_groups = _groups(chk)
     for decay, members in _groups(ref).items():
         home = _home(members, chk, decay) if nested else None
@@ -488,7 +622,7 @@ def test_strict_raises_iff_a_not_allowed_difference_exists(pair, allow):
             # the not-allowed keys, compressed into exact patterns, and nothing allowed
             assert all(format_keys(keys) in text for keys in (missing, unexpected) if keys)
     else:
-        assert same_tree(dm.merge(c, r, policy=policy), dm.merge(c, r))
+        assert same_tree(dm.merge(c, r, policy=policy), dm.merge(c, r, policy=MERGING))
         assert dm.check(c, r, policy=policy) == d
 
 
@@ -510,7 +644,7 @@ def test_warn_warns_iff_default_would_backfill_or_keep_something_not_allowed(pai
     mixed = bool(_mixed(flat(c), flat(r)))  # moved parameters: a conflict of hyperparameters
     assert any(" moved: " in t or "disagree" in t for t in texts) == mixed
     assert len(texts) == bool(missing) + bool(unexpected) + bool(dtype) + mixed  # one per kind
-    assert same_tree(out, dm.merge(c, r))  # and it merges exactly as the default does
+    assert same_tree(out, dm.merge(c, r, policy=MERGING))  # and merges exactly as default does
 
 
 @given(pairs)

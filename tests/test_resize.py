@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -78,13 +79,13 @@ def test_resize_keeps_exactly_the_overlap_and_takes_the_rest_from_the_reference(
         assert got is not old
         assert got is not new
         assert got.shape == new.shape
-        assert got.dtype == new.dtype
+        assert got.dtype == old.dtype  # the checkpoint's, as for any dtype mismatch
         assert got.device == new.device
         overlap = tuple(slice(0, min(a, b)) for a, b in zip(old.shape, new.shape, strict=True))
-        assert torch.equal(got[overlap], old[overlap].to(new.dtype))
+        assert torch.equal(got[overlap], old[overlap])
         mask = torch.ones(new.shape, dtype=torch.bool)
         mask[overlap] = False
-        assert torch.equal(got[mask], new[mask])
+        assert torch.equal(got[mask], new[mask].to(old.dtype))
         [rec] = [x for x in merged.diff.resized if x.key == key]
         assert rec.kept == math.prod(min(a, b) for a, b in zip(old.shape, new.shape, strict=True))
         assert rec.kept + rec.from_reference == new.numel()
@@ -165,14 +166,57 @@ def test_shrinking_keeps_the_leading_rows_and_nested_optimizers_resize_per_field
     assert out["param_groups"][0]["lr"] == 0.1
 
 
-def test_resize_keeps_the_references_dtype_and_reports_both():
+def test_resize_keeps_the_checkpoints_dtype_as_the_dtype_rule_says():
     ckpt = {"w": torch.ones(2, dtype=torch.float64)}
-    ref = {"w": torch.zeros(3, dtype=torch.bfloat16)}
-    merged = dm.merge_with_diff(ckpt, ref, on_shape_mismatch="resize")
-    assert merged.state_dict["w"].dtype == torch.bfloat16
-    assert merged.state_dict["w"].tolist() == [1.0, 1.0, 0.0]
+    ref = {"w": torch.full((3,), 0.5, dtype=torch.bfloat16)}
+    merged = dm.merge_with_diff(ckpt, ref, on_shape_mismatch="resize")  # default: quiet
+    out = merged.state_dict["w"]
+    assert out.dtype == torch.float64  # was: bfloat16, under every policy
+    assert out.tolist() == [1.0, 1.0, 0.5]
     assert "float64[2]" in str(merged.diff)
     assert "bfloat16[3]" in str(merged.diff)
+    # a model loads it as it loads any tensor of another dtype: cast by copy_
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    model.load_state_dict(merged.state_dict)
+    assert model.w.dtype == torch.bfloat16
+    assert model.w.tolist() == [1.0, 1.0, 0.5]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.merge(ckpt, ref, on_shape_mismatch="resize", policy="warn")
+    texts = [str(w.message) for w in caught]
+    assert any("resized" in t for t in texts)
+    assert any(re.search(r"dtype differs.*'w'", t) for t in texts)
+    for call in (dm.merge, dm.check):  # strict refuses it before making anything
+        with pytest.raises(dm.MergeError, match=r"dtype differs.*'w'"):
+            call(ckpt, ref, on_shape_mismatch="resize", policy="strict")
+    allowed = dm.STRICT.replace(dtype="ignore")
+    with pytest.warns(dm.DSDMergeWarning, match="resized"):  # (strict says what it resized)
+        out = dm.merge(ckpt, ref, on_shape_mismatch="resize", policy=allowed)
+    assert out["w"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("resized", [False, True])
+def test_a_complex_tensor_cast_to_real_is_never_silent(resized):
+    ckpt = {"w": torch.tensor([1 + 2j, 3 - 1j])}
+    ref = {"w": torch.zeros(3 if resized else 2)}
+    with pytest.warns(dm.DSDMergeWarning, match="drops the imaginary part"):
+        out = dm.merge(ckpt, ref, on_shape_mismatch="resize")  # the default policy
+    assert out["w"].dtype == torch.complex64
+    assert out["w"][:2].tolist() == [1 + 2j, 3 - 1j]
+    with pytest.raises(dm.MergeError, match="imaginary"):
+        dm.merge(ckpt, ref, on_shape_mismatch="resize", policy="strict")
+    # the other way, a resize casts the reference's complex values into the real checkpoint's
+    if resized:
+        with pytest.warns(dm.DSDMergeWarning, match="drops the imaginary part"):
+            out = dm.merge(
+                {"w": torch.ones(2)}, {"w": torch.full((3,), 1j)}, on_shape_mismatch="resize"
+            )
+        assert out["w"].tolist() == [1.0, 1.0, 0.0]
+    else:  # (a real tensor into a complex parameter loses nothing: the default says nothing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dm.merge({"w": torch.ones(2)}, {"w": torch.zeros(2, dtype=torch.complex64)})
 
 
 @pytest.mark.parametrize(

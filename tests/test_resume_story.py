@@ -18,14 +18,13 @@ and "untouched on error" for refused calls.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
 import story
 import torch
 from conftest import Snapshot
-from story import FLAT, LAYOUTS, N_STEPS, SPECS, Run, Spec, Story
+from story import FLAT, LAYOUTS, N_STEPS, SPECS, Run, Spec, Stories, Story
 
 import dsdmerge as dm
 from dsdmerge.integrations import resume_model, resume_optimizer
@@ -37,87 +36,6 @@ MODES = ("default", "strict", "warn")
 
 def spec_param(spec: Spec, *rest: Any) -> Any:
     return pytest.param(spec, *rest, id="-".join([spec.id, *map(str, rest)]))
-
-
-# --------------------------------------------------------------------------------------
-# the stories, computed once per session
-
-
-class Stories:
-    """Stories and plain-torch controls, computed once per session and spec."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cache: dict[tuple[str, str], Story] = {}
-        self.controls: dict[str, str | None] = {}
-
-    def get(self, spec: Spec, **model_kwargs: Any) -> Story:
-        key = (spec.id, repr(sorted(model_kwargs.items())))
-        if key not in self.cache:
-            where = self.root / f"{spec.id}-{len(self.cache)}"
-            self.cache[key] = story.make_story(spec, where, **model_kwargs)
-        return self.cache[key]
-
-    def control(self, spec: Spec, layout: str = "int") -> str | None:
-        """Why plain torch does not round-trip ``spec`` (``None``: it does, bit for bit).
-
-        ``int``: ``Optimizer.load_state_dict`` of the int-id file. ``flat``/``nested``:
-        DSD's ``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``, so
-        the same load without the optimizer's other top-level keys (heavyball's own key):
-        what DSD does not save, no loader can give back.
-        """
-        key = f"{spec.id}/{'int' if layout == 'int' else 'dsd'}"
-        if key not in self.controls:
-            self.controls[key] = plain_torch_resume(spec, self.get(spec), dsd=layout != "int")
-        return self.controls[key]
-
-
-def plain_torch_resume(spec: Spec, st: Story, *, dsd: bool = False) -> str | None:
-    """The story with torch's own loader: ``Optimizer.load_state_dict`` of the int-id file.
-
-    ``dsd``: first check that DSD's nested file holds what ``optimizer.state_dict()`` holds
-    (``state`` and ``param_groups``, fqns mapped back to ids); then, if the optimizer has other
-    top-level keys (DSD drops them), the same load without them.
-    """
-    if "int" not in st.files:
-        return f"{spec.id}: torch cannot save its optimizer.state_dict(): {st.save_errors['int']}"
-    try:
-        loaded = story.load(st.files["int"])
-    except Exception as err:  # noqa: BLE001 - the control reports whatever torch raises
-        return f"{spec.id}: torch.load(weights_only=True) refuses its state dict: {err}"
-    optim_sd = loaded["optim"]
-    dropped = sorted(k for k in optim_sd if k not in ("state", "param_groups"))
-    run = story.build(spec)
-    if dsd:
-        if "nested" not in st.files:
-            return f"{spec.id}: DSD's get_optimizer_state_dict cannot save it: {st.save_errors}"
-        # what DSD saved (fqn-keyed) is what optimizer.state_dict() saved, id for id
-        lost = story.tree_differences(
-            {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]},
-            story.nested_to_ids(story.load(st.files["nested"])["optim"], run),
-        )
-        if lost:
-            return f"{spec.id}: DSD's nested save differs from optimizer.state_dict(): {lost[:3]}"
-        if not dropped:
-            return None  # then the int-id control's load is exactly this one
-        optim_sd = {"state": optim_sd["state"], "param_groups": optim_sd["param_groups"]}
-    try:
-        run.model.load_state_dict(loaded["model"])
-        run.optim.load_state_dict(optim_sd)
-        run.sched.load_state_dict(loaded["sched"])
-        story.after_save(run)
-        story.step(run, N_STEPS)
-    except Exception as err:  # noqa: BLE001 - the control reports whatever torch raises
-        return f"{spec.id}: plain torch fails to resume it: {type(err).__name__}: {err}"
-    diffs = story.run_differences(st.final, run)
-    if diffs and dsd:
-        return (
-            f"{spec.id}: DSD's get_optimizer_state_dict does not save its top-level "
-            f"key(s) {dropped}, and without them it does not resume bit for bit: {diffs[:3]}"
-        )
-    if diffs:
-        return f"{spec.id}: plain torch does not round-trip it bit for bit: {diffs[:3]}"
-    return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,6 +114,76 @@ def resume(
     return run, diff, loaded
 
 
+def go_on(
+    spec: Spec,
+    run: Run,
+    stories: Stories,
+    what: str,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    model_sd: Any = None,
+) -> None:
+    """The second generation: after a resume and its first step, the run goes on.
+
+    The next save in every layout torch itself round-trips for this optimizer (through
+    ``torch.save`` / ``torch.load(weights_only=True)``), each resumed with ``policy="strict"``
+    into objects built from scratch (the only allow-list: the never-gradient indexer, and the
+    top-level keys DSD does not save); each resumed run equals the saving run bit for bit
+    (every parameter, every optimizer key, every group's hyperparameters, the scheduler),
+    and after one more step of both, still.
+    """
+    kwargs = model_kwargs or {}
+    story.before_save(run)
+    files, errors = story.save(run, stories.root / f"next-{stories.serial()}")
+    story.after_save(run)
+    # every layout torch could save before the resume, it saves after it
+    broken = {k: v for k, v in errors.items() if k in stories.get(spec).files}
+    assert not broken, f"{what}: the next save fails: {broken}"
+    at_save = story.snapshot_run(run)
+    resumed: dict[str, Run] = {}
+    for layout, path in files.items():
+        if stories.control(spec, layout) is not None:
+            continue  # torch itself does not round-trip this layout (the first story skips it)
+        loaded = story.load(path)
+        fresh = story.build(spec, **kwargs)
+        fresh.model.load_state_dict(loaded["model"] if model_sd is None else model_sd(loaded))
+        extras = [k for k in at_save["optim"] if k not in ("state", "param_groups")]
+        allow = ["state.indexer.*", *(f"state.{i}.*" for i in indexer_ids(fresh))]
+        if layout != "int":
+            allow += [f"{k}.*" for k in extras]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dm.DSDMergeWarning)
+            resume_optimizer(
+                fresh.model,
+                fresh.optim,
+                loaded["optim"],
+                options=options_for(layout),
+                policy="strict",
+                allow_missing=allow,
+            )
+        fresh.sched.load_state_dict(loaded["sched"])
+        story.after_save(fresh)
+        fail_with(
+            story.run_differences(at_save, fresh),
+            f"{what}, second generation from its {layout} save: resumed vs the saving run",
+        )
+        resumed[layout] = fresh
+    for r in (run, *resumed.values()):
+        story.step(r, N_STEPS + 1)
+    ahead = story.snapshot_run(run)
+    for layout, fresh in resumed.items():
+        fail_with(
+            story.run_differences(ahead, fresh),
+            f"{what}, second generation from its {layout} save: one more step of both",
+        )
+
+
+def indexer_ids(run: Run) -> list[int]:
+    indexer = {id(p) for p in run.model.indexer.parameters()}
+    params = [p for g in run.optim.param_groups for p in g["params"]]
+    return [i for i, p in enumerate(params) if id(p) in indexer]
+
+
 def fail_with(diffs: list[str], what: str) -> None:
     if diffs:
         shown = "\n  ".join(diffs[:25])
@@ -264,6 +252,8 @@ def test_story(spec, layout, mode, stories, monkeypatch):
         story.run_differences(st.final, run),
         f"{spec.id} {layout} {mode}: one step after the resume vs the uninterrupted run",
     )
+    if mode == "default":  # the modes load the same state (checked above): one goes on
+        go_on(spec, run, stories, f"{spec.id} {layout}")
 
 
 @pytest.mark.parametrize(
@@ -320,6 +310,7 @@ def test_resume_after_forward_backward(spec, layout, stories, monkeypatch):
         story.run_differences(st.final, run),
         f"{spec.id} {layout}: resumed after a forward/backward, one step, vs uninterrupted",
     )
+    go_on(spec, run, stories, f"{spec.id} {layout} after a forward/backward")
 
 
 @pytest.mark.parametrize(
@@ -336,6 +327,7 @@ def test_indexer_first_real_step_is_fresh(spec, layout, stories, monkeypatch):
         story.run_differences(st.final_wake, run),
         f"{spec.id} {layout}: the indexer's first real step after the resume vs uninterrupted",
     )
+    go_on(spec, run, stories, f"{spec.id} {layout} after the indexer's first step")
 
 
 ADAM_L2 = Spec(
@@ -571,6 +563,59 @@ def test_refused_resume_of_a_shrunk_model_changes_nothing(spec, layout, stories,
     run.model.load_state_dict({k: v for k, v in loaded["model"].items() if not k.startswith("old")})
     err = refused(run, loaded["optim"], options=options_for(layout), policy="strict")
     assert isinstance(err, (dm.MergeError, dm.LayoutError)), type(err)
+
+
+@pytest.mark.parametrize(
+    ("spec", "layout", "mode"),
+    [spec_param(s, layout, mode) for s in SPECS for layout in ("flat", "nested") for mode in MODES],
+)
+def test_shrunk_model_resumes_and_goes_on(spec, layout, mode, stories, monkeypatch):
+    """A checkpoint with state for a module the model no longer has: that state is left out
+    (reported unexpected), the optimizer holds only its own parameters' state, the next save
+    works in every layout and resumes again strictly, bit for bit. (With int ids the removed
+    module shifts the positions: refused, see test_refused_resume_of_a_shrunk_model.)"""
+    prepare(spec, layout, stories, monkeypatch)
+    st = stories.get(spec, old=True)
+    loaded = story.load(st.files[layout])
+    run = story.build(spec)
+    run.model.load_state_dict({k: v for k, v in loaded["model"].items() if not k.startswith("old")})
+    kwargs: dict[str, Any] = {"options": options_for(layout)}
+    if mode == "strict":
+        kwargs.update(
+            policy="strict", allow_missing=indexer_globs(st, layout), allow_unexpected="*.old.*"
+        )
+    elif mode == "warn":
+        kwargs.update(policy="warn", allow_missing=indexer_globs(st, layout))
+    if spec.id in SPANS_EVERY_PARAM:  # its state no longer fits: refused, naming it
+        err = refused(run, loaded["optim"], **kwargs)
+        assert "prev_flat_grad" in str(err), err
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.DSDMergeWarning)
+        diff = resume_optimizer(run.model, run.optim, loaded["optim"], **kwargs)
+    run.sched.load_state_dict(loaded["sched"])
+    params = {id(p) for g in run.optim.param_groups for p in g["params"]}
+    junk = [k for k in run.optim.state if id(k) not in params]
+    assert not junk, f"optimizer.state holds keys that are none of its parameters: {junk}"
+    if any(v for k, v in st.saved_by_fqn.items() if k.startswith("old.")):
+        assert any(".old." in k for k in diff.unexpected), diff
+    # the survivors' state is the checkpoint's, bit for bit
+    fail_with(
+        story.tree_differences(
+            {k: v for k, v in st.saved_by_fqn.items() if not k.startswith("old.") and v},
+            {k: v for k, v in story.state_by_fqn(run).items() if v},
+        ),
+        f"{spec.id} {layout} {mode} shrunk: surviving state vs the checkpoint",
+    )
+    story.after_save(run)
+    story.step(run, N_STEPS)
+    if mode == "default":  # the modes load the same state (checked above): one goes on
+        go_on(spec, run, stories, f"{spec.id} {layout} shrunk")
+
+
+# optimizers whose state spans every parameter (LBFGS: one flat direction and history), so
+# that it cannot fit a model with parameters fewer
+SPANS_EVERY_PARAM = {"torch.LBFGS"}
 
 
 @pytest.mark.parametrize("grads", ["no-grads", "grads"])

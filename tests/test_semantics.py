@@ -159,6 +159,57 @@ def test_proven_consistent_is_a_proof(cells, period):
                     assert same_value(c_values[i], c_values[j])
 
 
+_CELLS = [0.1, 0.2, 1, 1.0, True, float("nan"), (0.9, 0.99), (1, 2), (1.0, 2.0), "a", None]
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=5),
+    st.data(),
+)
+def test_the_block_proof_is_a_proof(k, shape, data):
+    """Rows in blocks of shared reference objects (torch's layout, where the block proof
+    runs), checkpoint values drawn to agree or not, with holes (positions the checkpoint
+    lacks): when the proof says "consistent", any two positions (but holes) whose reference
+    values are same_value hold same_value checkpoint values."""
+    from dsdmerge._groups import proven_consistent
+    from dsdmerge._values import same_value
+
+    cells = st.sampled_from(_CELLS)
+    r_values: list = []
+    c_values: list = []
+    templates = [data.draw(st.lists(cells, min_size=k, max_size=k)) for _ in range(4)]
+    for rows, which in shape:
+        r_row = templates[which]
+        c_row = data.draw(st.lists(cells, min_size=k, max_size=k))
+        for _ in range(rows):
+            r_values += r_row
+            if data.draw(st.booleans()):  # the same checkpoint objects, or copies, or others
+                c_values += c_row
+            else:
+                c_values += [copy_of(v) for v in data.draw(st.lists(cells, min_size=k, max_size=k))]
+    n = len(r_values)
+    holes = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=3)))
+    kinds = (list(map(type, r_values)), list(map(type, c_values)))  # as the engine passes them
+    if proven_consistent(
+        r_values, c_values, k, holes=holes, kinds=kinds if data.draw(st.booleans()) else None
+    ):
+        kept = [p for p in range(n) if p not in holes]
+        for p in kept:
+            for q in kept:
+                if same_value(r_values[p], r_values[q]):
+                    assert same_value(c_values[p], c_values[q]), (p, q)
+
+
+def copy_of(v):
+    """An equal value that is another object (as torch.load gives every parameter its own)."""
+    if type(v) is float:
+        return float(repr(v))
+    if type(v) is tuple:
+        return tuple(copy_of(x) for x in v)
+    return v
+
+
 def test_a_conflict_in_torch_layout_at_scale_is_found():
     """A DeepSeek-like flat optimizer in torch's layout, one member's lr changed: strict
     refuses, naming it (the quick proof fails, the exact check runs)."""
@@ -184,3 +235,51 @@ def test_groups_in_their_own_orders_equal_the_semantics(pair, options, start, bo
     if both:
         c = rows_reordered(c, start)
     assert_same_outcome(c, r, **options)
+
+
+@given(
+    checkpoint_pairs(layout="flat", kind="model"),
+    st.sampled_from(["param_groups.", "state.", "enc.param_groups.", "x.state.", ""]),
+    OPTIONS,
+)
+def test_a_model_under_optimizer_like_segments_merges_key_by_key(pair, prefix, options):
+    """A model whose modules are named ``param_groups`` or ``state`` is a model (its values
+    are tensors, not hyperparameters): the merge is the plain key-by-key one, as the semantics
+    say, with no param-group rule on any key."""
+    c, r = ({prefix + k: v for k, v in sd.items()} for sd in pair)
+    assert_same_outcome(c, r, **options)
+    out = _semantics.outcome(c, r, merge=True, conflicts=True)
+    assert out.merged == {**r, **c}
+    assert all(out.merged[k] is v for k, v in c.items())
+    assert all(out.merged[k] is r[k] for k in r.keys() - c.keys())
+    assert out.conflicts == []
+
+
+@given(
+    st.one_of(
+        checkpoint_pairs(layout="flat", kind="model", min_missing=1),
+        checkpoint_pairs(layout="nested", kind="model", min_missing=1),
+    ),
+    st.integers(0, 2**32 - 1),
+    OPTIONS,
+)
+def test_tied_weights_equal_the_semantics(pair, seed, options):
+    """A reference holding one tensor under a missing key and a key the checkpoint has (tied
+    weights): the engine ties them as the semantics say, and the missing key takes the
+    checkpoint's tensor of the other."""
+    c, r = pair
+    rng = random.Random(seed)
+    flat_c, flat_r = (sd.get("model", sd) for sd in (c, r))
+    missing = [k for k in flat_r if k not in flat_c]
+    present = [k for k in flat_r if k in flat_c]
+    if not present:
+        return
+    key, twin = rng.choice(missing), rng.choice(present)
+    tied_r = {k: flat_r[twin] if k == key else v for k, v in flat_r.items()}
+    r = {"model": tied_r} if "model" in r else tied_r
+    assert_same_outcome(c, r, **options)
+    out = dm.merge_with_diff(c, r, policy=dm.DEFAULT.replace(shape="ignore"))
+    prefix = "model." if "model" in r else ""
+    assert (prefix + key, prefix + twin) in out.diff.tied
+    merged = out.state_dict["model"] if prefix else out.state_dict
+    assert merged[key] is merged[twin]

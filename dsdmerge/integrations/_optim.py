@@ -29,18 +29,30 @@ How the reference is built, per parameter that still exists:
   zero-gradient step would create, computed on a throwaway copy of the optimizer;
 * a parameter with no state anywhere gets *placeholder* fields named as the
   checkpoint names them for the other members of its param group, so that the
-  report says which state is missing; placeholders are never loaded.
+  report says which state is missing; placeholders are never loaded;
+* a checkpoint field whose tensor does not have the shape (or dtype) the optimizer
+  gives that field for that parameter is there with the optimizer's own tensor
+  (:func:`expected_state`: the live state, else the optimizer's fresh state from a
+  throwaway twin, see :mod:`dsdmerge.integrations._fresh`), so that the merge
+  refuses, reports or resizes it as it does any tensor.
+
+What is loaded (:meth:`Slots.load_dicts`): the merged state of the optimizers'
+parameters, and besides only the optimizer-level entries the optimizers keep
+themselves or the checkpoint holds as such (MADGRAD's ``state['k']``: a value that
+is no mapping and no checkpoint group's member). The state of a parameter that is no
+longer optimized (removed from the model, or frozen and left out of the optimizer)
+is reported unexpected and never loaded under its name.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dsdmerge._core import MISSING, most_common, short_repr
+from dsdmerge._core import MISSING, most_common, respelled_state, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
+from dsdmerge.integrations._fresh import constructor_state, fresh_states, same_state
 from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
 
 if TYPE_CHECKING:
@@ -251,6 +263,7 @@ class _Optim:
     live: dict[Any, Any]  # its own state_dict(): int ids
     keys: list[list[Any]]  # per group, the slot key of each parameter
     ids: list[list[Any]]  # per group, the int id of each parameter in ``live``
+    params: list[list[Any]]  # per group, the parameter itself
 
 
 @dataclasses.dataclass
@@ -300,7 +313,8 @@ class Slots:
                         )
                     names.append(fqn)
                 keys.append(names)
-            optims.append(_Optim(opt, dict(live), keys, ids))
+            params = [list(group[PARAMS]) for group in opt.param_groups]
+            optims.append(_Optim(opt, dict(live), keys, ids, params))
         slots = cls(optims, keyed)
         every = [k for o in optims for g in o.keys for k in g]
         if len(set(every)) != len(every):
@@ -339,13 +353,20 @@ class Slots:
         return entries, extras
 
     def reference(
-        self, checkpoint: Mapping[Any, Any], *, init: Mapping[Any, Any] | None = None
+        self,
+        checkpoint: Mapping[Any, Any],
+        *,
+        init: Mapping[Any, Any] | None = None,
+        overlays: Mapping[Any, list[Mismatched]] | None = None,
     ) -> dict[Any, Any]:
         """The state dict these optimizers accept, given the (nested) ``checkpoint``.
 
         See the module docstring. ``init``: per slot key, the state DSD's
-        zero-gradient step would create (``fresh="reference"``). Does not modify
-        its inputs; checkpoint and live values are shared.
+        zero-gradient step would create (``fresh="reference"``). ``overlays``: per
+        slot key, the checkpoint's state fields the optimizer shapes otherwise
+        (:func:`field_mismatches` against its fresh state): the reference holds the
+        optimizer's tensors there, so the merge compares them. Does not modify its
+        inputs; checkpoint and live values are shared.
         """
         c_state = checkpoint.get(STATE)
         c_state = c_state if isinstance(c_state, Mapping) else {}
@@ -373,7 +394,13 @@ class Slots:
                     if not base and init is not None:
                         base = init.get(key)
                     if ck is not MISSING:
-                        state[key] = {**ck, **base} if base else ck
+                        if base:  # every field of the checkpoint's, at any depth (heavyball
+                            # keeps its step in one view's entry: {0: {"step": ...}})
+                            state[key] = _union(ck, base, 0)
+                        elif overlays and overlays.get(key):
+                            state[key] = overlaid(ck, overlays[key])
+                        else:
+                            state[key] = ck
                     elif base:
                         state[key] = base
                     elif template is not None:
@@ -407,15 +434,22 @@ class Slots:
                 extras[k] = _union(v, extras[k], 0) if k in extras else v
         return {**extras, STATE: state, PARAM_GROUPS: groups}
 
+    def entry_keys(self, reference: Mapping[Any, Any]) -> frozenset[Any]:
+        """The optimizer-level state keys of a :meth:`reference` (MADGRAD's ``state['k']``)."""
+        slot_keys = set(self.every_key())
+        return frozenset(k for k in reference[STATE] if k not in slot_keys)
+
     def load_dicts(
-        self, merged: Mapping[Any, Any], *, keep: set[Any] | None
+        self, merged: Mapping[Any, Any], *, keep: set[Any] | None, entry_keys: frozenset[Any]
     ) -> list[dict[Any, Any]]:
         """One ``optimizer.state_dict()``-shaped dict per optimizer, from the merged state.
 
         ``merged`` follows :meth:`reference`'s structure (its param groups in the
         same order). ``keep``: the slot keys whose state may be loaded (``None``:
-        all); placeholders are never loaded. ``param_names`` come from the live
-        optimizer (the names of the model you have now).
+        all); placeholders are never loaded. ``entry_keys``: the optimizer-level
+        entries that may be loaded besides (:meth:`entry_keys` of the reference).
+        ``param_names`` come from the live optimizer (the names of the model you
+        have now).
         """
         state = merged[STATE]
         groups = merged[PARAM_GROUPS]
@@ -423,7 +457,14 @@ class Slots:
         at = 0
         extras = {k: v for k, v in merged.items() if k not in (STATE, PARAM_GROUPS)}
         slot_keys = set(self.every_key())
-        entries = {k: v for k, v in state.items() if k not in slot_keys and _loadable(v)}
+        # only what the optimizers themselves keep besides their parameters' state: state of a
+        # parameter no longer optimized (removed, or frozen and left out) is not loaded under
+        # its name (DSD's next get_optimizer_state_dict would raise KeyError on it)
+        entries = {
+            k: v
+            for k, v in state.items()
+            if k not in slot_keys and k in entry_keys and _loadable(v)
+        }
         for o in self.optims:
             o_state: dict[Any, Any] = {}
             o_groups = []
@@ -542,44 +583,29 @@ def _loadable(value: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# DSD's zero-gradient step, on a throwaway copy
+# the optimizer's own fresh state, on throwaway twins (see dsdmerge.integrations._fresh)
 
 
 def init_state(slots: Slots) -> dict[Any, Any]:
     """The state DSD's ``_init_optim_state`` would create, per slot key, from throwaway copies.
 
-    Each optimizer is deep-copied with its parameters replaced by detached
-    clones; the copy takes DSD's step (zero gradients, ``lr`` 0) when DSD would
-    (no state yet and no parameter holding a gradient). The live optimizer and
-    the model are never touched; the cost is one copy of the parameters.
+    Each optimizer's twin (:func:`~dsdmerge.integrations._fresh.twin`, real copies of
+    the parameters) takes DSD's step (zero gradients for the parameters that require
+    one, ``lr`` 0) when DSD would (no state yet and no parameter holding a gradient).
+    The live optimizer and the model are never touched; the cost is one copy of the
+    parameters and the fresh state.
 
     Raises:
         DSDMergeError: The optimizer's step failed on the copy.
     """
-    import torch
-
     out: dict[Any, Any] = {}
     for o in slots.optims:
         opt = o.optimizer
-        params = [p for g in opt.param_groups for p in g[PARAMS]]
+        params = [p for g in o.params for p in g]
         if opt.state or any(p.grad is not None for p in params):
             continue  # DSD takes no step then: its reference is the live state
-        memo: dict[int, Any] = {}
-        for p in params:
-            if id(p) not in memo:
-                clone = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-                memo[id(p)] = clone
         try:
-            twin = copy.deepcopy(opt, memo)
-            with torch.no_grad():
-                for g in twin.param_groups:
-                    for p in g[PARAMS]:
-                        if p.requires_grad:
-                            p.grad = torch.zeros_like(p)
-                    if "lr" in g:
-                        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-                twin.step(closure=None)
-            twin_sd = twin.state_dict()
+            fresh = fresh_states(opt, kind="copy", every_param=False)
         except Exception as err:  # any failure of a third-party step
             raise DSDMergeError(
                 f"fresh='reference' needs DSD's zero-gradient step, and "
@@ -587,8 +613,270 @@ def init_state(slots: Slots) -> dict[Any, Any]:
                 f"{type(err).__name__}: {short_repr(str(err))}. Nothing was changed. Use "
                 "fresh='as_fresh' (parameters without checkpointed state start fresh)."
             ) from err
-        by_id = dict(zip(_chain(o.ids), _chain(o.keys), strict=True))
-        for pid, entry in twin_sd[STATE].items():
-            if pid in by_id:
-                out[by_id[pid]] = entry
+        for key, p in zip(_chain(o.keys), _chain(o.params), strict=True):
+            if id(p) in fresh:
+                out[key] = fresh[id(p)]
     return out
+
+
+def made_with_the_optimizer(slots: Slots, live: Mapping[Any, Any], keys: Iterable[Any]) -> set[Any]:
+    """Which of ``keys`` hold live state a new optimizer has too (its constructor made it).
+
+    A new optimizer that never saw the checkpoint holds what its constructor makes
+    (Adagrad's accumulators) and nothing else: not what DSD's zero-gradient step made
+    (torchtitan's ``OptimizersContainer.state_dict()`` and DSD's
+    ``get_optimizer_state_dict`` take one on an optimizer without state), not what steps
+    taken before the resume made. Asked of the optimizer's class itself: a new instance
+    built from the live groups' hyperparameters on meta stand-ins (no memory). Where that
+    cannot be built, the live state counts as made by a zero-gradient step when it is
+    exactly what one gives a copy of the optimizer now (tensors drawn at random, as
+    Kron's, compared by shape), and is kept otherwise.
+    """
+    wanted = set(keys)
+    out: set[Any] = set()
+    for o in slots.optims:
+        mine = [
+            (key, p)
+            for key, p in zip(_chain(o.keys), _chain(o.params), strict=True)
+            if key in wanted
+        ]
+        if not mine:
+            continue
+        made = constructor_state(o.optimizer)
+        if made is not None:
+            out.update(key for key, p in mine if id(p) in made)
+            continue
+        try:  # twice, with two seeds: what differs is drawn at random (Kron), not compared
+            fresh = fresh_states(o.optimizer, kind="copy", every_param=False, seed=0)
+            again = fresh_states(o.optimizer, kind="copy", every_param=False, seed=1)
+        except Exception:  # noqa: BLE001 - unknown: the live state is kept, as before
+            out.update(key for key, _ in mine)
+            continue
+        out.update(
+            key
+            for key, p in mine
+            if not (id(p) in fresh and same_state(live[key], fresh[id(p)], drawn=again.get(id(p))))
+        )
+    return out
+
+
+@dataclasses.dataclass
+class Expected:
+    """What the optimizers themselves give each parameter's state, where it was asked for.
+
+    Attributes:
+        states: Slot key to the state the optimizer's zero-gradient step gives the
+            parameter on a twin (meta tensors, or real ones for keys in ``real``).
+        real: The slot keys whose ``states`` hold real values (a copy twin's).
+        unknown: One line per optimizer whose fresh state could not be computed.
+    """
+
+    states: dict[Any, Any]
+    real: frozenset[Any]
+    unknown: tuple[str, ...]
+
+
+def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]) -> Expected:
+    """The optimizers' own fresh state for the parameters ``keys`` (their checkpoint state).
+
+    A meta twin first (no memory); a copy twin when the meta step fails, when it finds
+    a field whose shape or dtype differs from the checkpoint's ``c_state`` (confirmed
+    on real values, which a resize needs), or when it gives some parameters state but
+    not one that has checkpoint state. See :mod:`dsdmerge.integrations._fresh`.
+    """
+    wanted = set(keys)
+    states: dict[Any, Any] = {}
+    real: set[Any] = set()
+    unknown: list[str] = []
+    for o in slots.optims:
+        mine = [
+            (key, p)
+            for key, p in zip(_chain(o.keys), _chain(o.params), strict=True)
+            if key in wanted
+        ]
+        if not mine:
+            continue
+        result: dict[int, Any] | None
+        try:
+            result = fresh_states(o.optimizer, kind="meta", every_param=True)
+        except Exception:  # noqa: BLE001 - a step that cannot run on meta tensors: a copy
+            result = None
+        confirm = result is None or any(
+            (id(p) not in result and bool(result))
+            or (
+                id(p) in result
+                and field_mismatches(_spelled(c_state[key], result[id(p)]), result[id(p)])
+            )
+            for key, p in mine
+        )
+        is_real = False
+        if confirm:
+            try:
+                result = fresh_states(o.optimizer, kind="copy", every_param=True)
+                is_real = True
+            except Exception as err:  # noqa: BLE001 - the meta answer, or none
+                if result is None:
+                    unknown.append(
+                        f"{type(o.optimizer).__name__}: its step failed on a copy "
+                        f"({type(err).__name__}: {short_repr(str(err))})"
+                    )
+                    continue
+        assert result is not None
+        for key, p in mine:
+            if id(p) in result:
+                states[key] = result[id(p)]
+                if is_real:
+                    real.add(key)
+        # tensor fields the checkpoint has that a zero-gradient step does not make (LBFGS
+        # makes its direction and history only from a gradient that is not zero): their
+        # shapes from a step with gradients of ones (values unknown: not "real")
+        lacking = [
+            (key, p) for key, p in mine if _tensor_fields(c_state[key]) - set(states.get(key, {}))
+        ]
+        if lacking:
+            probed = _probe(o.optimizer)
+            for key, p in lacking:
+                extra = {
+                    k: v
+                    for k, v in probed.get(id(p), {}).items()
+                    if k in _tensor_fields(c_state[key]) and k not in states.get(key, {})
+                }
+                if extra:
+                    states[key] = {**states.get(key, {}), **extra}
+                    real.discard(key)
+        for key, _ in mine:
+            if key in states:
+                states[key] = _with_siblings(c_state[key], states[key])
+    return Expected(states, frozenset(real), tuple(unknown))
+
+
+def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """``fresh`` with a stand-in for each checkpoint tensor field no step made at all.
+
+    A field an optimizer makes only later (SophiaH's ``hessian``, every few steps) or no
+    more (a momentum buffer after ``momentum`` was set to 0) is sized like a sibling: it
+    takes the fresh tensor of the field that has its shape and dtype in the checkpoint
+    (``hessian`` is shaped like ``momentum``). A field with no such sibling stays
+    unchecked.
+    """
+    import torch
+
+    by_shape: dict[tuple[Any, ...], Any] = {}
+    for k, v in checkpoint.items():
+        f = fresh.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor) and v.dim() > 0:
+            by_shape.setdefault((tuple(v.shape), v.dtype), f)
+    extra = {
+        k: by_shape[(tuple(v.shape), v.dtype)]
+        for k, v in checkpoint.items()
+        if k not in fresh and isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) in by_shape
+    }
+    return {**fresh, **extra} if extra else fresh
+
+
+def _spelled(entry: Any, own: Any) -> Any:
+    """A checkpoint entry with its keys spelled as the optimizer's own entry (DCP's ``'0'``)."""
+    if not isinstance(entry, Mapping) or not isinstance(own, Mapping):
+        return entry
+    return respelled_state({0: entry}, {0: own})[0]
+
+
+def _tensor_fields(entry: Mapping[Any, Any]) -> set[Any]:
+    import torch
+
+    return {k for k, v in entry.items() if isinstance(v, torch.Tensor)}
+
+
+def _probe(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
+    """:func:`fresh_states` with gradients of ones (meta first, then a copy; ``{}`` if neither)."""
+    for kind in ("meta", "copy"):
+        try:
+            return fresh_states(optimizer, kind=kind, every_param=True, probe=True)
+        except Exception:  # noqa: BLE001 - no probe: those fields stay unchecked
+            continue
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatched:
+    """A state field whose tensor's shape or dtype differs from what its optimizer gives it.
+
+    Attributes:
+        path: Where in the parameter's state entry (mapping keys, list positions).
+        in_list: Whether the path goes through a list (PSGD's factor lists).
+        checkpoint: The checkpoint's tensor.
+        fresh: The optimizer's own (fresh or live) tensor for that field.
+    """
+
+    path: tuple[Any, ...]
+    in_list: bool
+    checkpoint: Any
+    fresh: Any
+
+    @property
+    def reshaped(self) -> bool:
+        """Whether the shapes differ (a 0-d against a 1-element tensor does not)."""
+        c, f = tuple(self.checkpoint.shape), tuple(self.fresh.shape)
+        return c != f and not (_numel(c) == 1 == _numel(f))
+
+
+def field_mismatches(
+    checkpoint: Any, fresh: Any, path: tuple[Any, ...] = (), *, in_list: bool = False
+) -> list[Mismatched]:
+    """The tensor fields of one parameter's state whose shape or dtype differ from ``fresh``.
+
+    Fields both have, compared through mappings and lists (PSGD's factor lists); a 0-d
+    against a 1-element tensor holds one value either way and is not a difference.
+    """
+    if len(path) > 16:
+        return []
+    if isinstance(checkpoint, Mapping) and isinstance(fresh, Mapping):
+        out: list[Mismatched] = []
+        for k, v in checkpoint.items():
+            if k in fresh:
+                out.extend(field_mismatches(v, fresh[k], (*path, k), in_list=in_list))
+        return out
+    if isinstance(checkpoint, (list, tuple)) and isinstance(fresh, (list, tuple)):
+        if len(checkpoint) != len(fresh):
+            return []
+        out = []
+        for i, (c, f) in enumerate(zip(checkpoint, fresh, strict=True)):
+            out.extend(field_mismatches(c, f, (*path, i), in_list=True))
+        return out
+    c_shape = _shape(checkpoint)
+    f_shape = _shape(fresh)
+    if c_shape is None or f_shape is None:
+        return []
+    if (c_shape != f_shape and not (_numel(c_shape) == 1 == _numel(f_shape))) or (
+        checkpoint.dtype != fresh.dtype
+    ):
+        return [Mismatched(path, in_list, checkpoint, fresh)]
+    return []
+
+
+def overlaid(entry: Mapping[Any, Any], fields: Iterable[Mismatched]) -> dict[Any, Any]:
+    """``entry`` with each field's fresh tensor in place of the checkpoint's (new containers)."""
+    out = dict(entry)
+    for m in fields:
+        node = out
+        for part in m.path[:-1]:
+            child = dict(node[part])
+            node[part] = child
+            node = child
+        node[m.path[-1]] = m.fresh
+    return out
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -28,33 +28,80 @@ its reference; on an optimizer container that step runs at the real learning rat
 
 Fresh state, explicit
 ---------------------
-``fresh="as_fresh"`` (the default) leaves a parameter without checkpointed state
-without state, so the optimizer initialises it lazily on its next step, exactly
-as an optimizer that never saw a checkpoint would (bit for bit).
-``fresh="reference"`` gives it what DSD's zero-gradient step would (Adam:
-``step == 1``, and with L2 ``weight_decay`` non-zero moments), computed on a
-throwaway copy of the optimizer (one copy of the parameters, briefly). A
-parameter with *some* state in the checkpoint keeps all of it, and gets the
-fields it lacks from the live optimizer (or, with ``"reference"``, from that step).
+``fresh="as_fresh"`` (the default) gives a parameter without checkpointed state the
+state a new optimizer has: none (the optimizer initialises it lazily on its next
+step, exactly as an optimizer that never saw a checkpoint would, bit for bit), or
+what the optimizer's constructor makes (Adagrad's accumulators), whatever the live
+optimizer holds (torchtitan's ``state_dict()`` takes a zero-gradient step first: that
+step's state is not kept). ``fresh="reference"`` gives it what DSD's zero-gradient
+step would (Adam: ``step == 1``, and with L2 ``weight_decay`` non-zero moments),
+computed on a throwaway copy of the optimizer (one copy of the parameters, briefly).
+A parameter with *some* state in the checkpoint keeps all of it, and gets the fields
+it lacks from the live optimizer (or, with ``"reference"``, from that step).
+
+Only the optimizer's own state
+------------------------------
+Loaded: the state of every parameter the optimizers optimize, and the entries they
+keep besides (MADGRAD's ``state['k']``). The state of a parameter no longer optimized
+(removed, or frozen and left out of the optimizer) is reported unexpected and left
+out: under its fqn it would break the next ``get_optimizer_state_dict``. Every state
+tensor loaded is checked against the shape and dtype the optimizer gives that field
+for that parameter: its live state, else its own zero-gradient step on a throwaway
+twin (:mod:`dsdmerge.integrations._fresh`: on meta tensors, no memory; on a copy of
+the parameters only when that step cannot run on meta tensors or finds a difference),
+and refused, reported or resized as the merge does any tensor.
+
+All or nothing
+--------------
+Everything is decided before anything is loaded, and each optimizer's part is first
+loaded into a meta twin, where torch's own checks and the optimizer's load hooks run:
+what torch would reject is refused before any optimizer changes. If a real load still
+fails, the optimizers loaded before it get their state back, and a
+:class:`~dsdmerge.MergeError` says so.
+
+Int ids
+-------
+A plain ``optimizer.state_dict()`` names parameters by position. With torch's
+``param_names`` the names decide wherever positions moved; without them, a change
+positions cannot map (group sizes differ, or the state at a position does not fit the
+parameter there) is refused, saying to pass the old model's names
+(``dsdmerge.rekey(loaded, old_model.named_parameters())``); dsdmerge never guesses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dsdmerge._core import copy_tree, merge_under, reshaped, verdict
+from dsdmerge._core import (
+    copy_tree,
+    merge_under,
+    normalise_ids,
+    reshaped,
+    respelled_state,
+    short_repr,
+    verdict,
+)
 from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
-from dsdmerge.errors import LayoutError, MergeError, StateDictTypeError
+from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
 from dsdmerge.integrations._dcp_surgery import load_changed
+from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
+    Expected,
+    Mismatched,
     Slots,
     _inner,
+    expected_state,
+    field_mismatches,
     init_state,
     leaf_optimizers,
+    made_with_the_optimizer,
+    param_fqns,
     uses_fsdp1,
 )
 from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
@@ -155,16 +202,18 @@ def resume_optimizer(
             (for elementwise optimizers). Int-keyed ``loaded`` needs ``param_names``.
         on_shape_mismatch: ``"raise"``, ``"take_reference"`` or ``"resize"``
             (the trained slice of each moment kept; see :func:`dsdmerge.merge`).
-            Pass what you passed to :func:`resume_model`. Other than ``"raise"``,
-            the shapes of the optimizer's state come from DSD's zero-gradient step
-            on a throwaway copy of it (the rows a resize adds start from that
-            state: zero moments for Adam).
+            Pass what you passed to :func:`resume_model`. Every state tensor is
+            checked against the shape the optimizer gives that field (see the
+            module); the rows a resize adds start from the optimizer's own fresh
+            state (zero moments for Adam).
 
     Returns:
         The :class:`~dsdmerge.KeyDiff` of ``loaded`` against what the optimizers accept.
 
     Raises:
-        MergeError: The policy rejects a difference (nothing was loaded).
+        MergeError: The policy rejects a difference, a state tensor does not fit its
+            parameter, int ids cannot be mapped by position, or torch's own load
+            rejects a value (nothing was loaded, or what was is undone).
         LayoutError: ``loaded`` is malformed, or int-keyed with several optimizers.
         StateDictTypeError: ``loaded`` is not a mapping, or no optimizer was given.
         InvalidPolicyError: Bad ``policy``, allow-lists or ``fresh``.
@@ -329,10 +378,18 @@ def _plan(
     if fresh not in _FRESH:
         raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
     pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    pol = dataclasses.replace(pol, drop_unexpected=False)  # nothing a parameter has is dropped
+    # what the reference lacks is the state of parameters no longer optimized (every field of a
+    # parameter that is, and the optimizer-level entries, are in it): left out, and reported
+    pol = dataclasses.replace(pol, drop_unexpected=True)
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
-    if _id_keyed(checkpoint) and model is not None and (rename is not None or len(opts) > 1):
+    if (
+        _id_keyed(checkpoint)
+        and model is not None
+        and (rename is not None or len(opts) > 1 or _names_moved(checkpoint, opts, model))
+    ):
+        # torch saved the names, and positions no longer name the same parameters (or the
+        # checkpoint is renamed, or split across optimizers): by name, never by position
         checkpoint = _fqn_keyed_by_param_names(checkpoint)
     if rename is not None:
         if _id_keyed(checkpoint):
@@ -357,9 +414,11 @@ def _plan(
             "state dict, or save fqn-keyed state with get_optimizer_state_dict."
         )
     slots = Slots.of(opts, model, keyed=keyed)
+    by_position = False  # int ids mapped by position, without names to check them by
     if keyed == "id":
         try:
             checkpoint = _to_live_ids(checkpoint, slots)
+            by_position = not _has_param_names(checkpoint)
         except MergeError:
             if model is None or not _has_param_names(checkpoint):
                 raise
@@ -367,38 +426,318 @@ def _plan(
             checkpoint = _fqn_keyed_by_param_names(checkpoint)
             slots = Slots.of(opts, model, keyed="fqn")
     checkpoint = _without_param_names(checkpoint)
-    # DSD's fresh state (on a throwaway copy) where it is asked for, or where the shape of
-    # every state field must be known to resize it (a grown embedding's moments)
-    init = init_state(slots) if fresh == "reference" or on_shape_mismatch != "raise" else None
-    reference = _without_param_names(slots.reference(checkpoint, init=init))
+    c_state = checkpoint[STATE]
+    live = slots.live_state()
+    # DSD's fresh state (on a throwaway copy) where it is asked for
+    init = init_state(slots) if fresh == "reference" else None
+    # every state tensor loaded is checked against the shape and dtype its optimizer gives
+    # that field: the live state where there is some, else the optimizer's own fresh state
+    # (a meta twin; see dsdmerge.integrations._fresh)
+    fresh_for = [
+        k
+        for k in slots.every_key()
+        if _has_state(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
+    ]
+    expected = expected_state(slots, c_state, fresh_for) if fresh_for else None
+    # a DCP round trip spells the int keys inside a parameter's state as strings too
+    # (heavyball nests it under view indices 0, 1): read as the optimizer's own keys
+    own = {**(expected.states if expected else {}), **{k: v for k, v in live.items() if v}}
+    respelled = respelled_state(c_state, own)
+    if respelled is not c_state:
+        c_state = respelled
+        checkpoint = {**checkpoint, STATE: c_state}
+    if expected is not None and expected.unknown:
+        warnings.warn(
+            DSDMergeWarning(
+                "dsdmerge: the shapes of the optimizer state loaded could not be checked against "
+                "the optimizer's own for "
+                + "; ".join(expected.unknown)
+                + ". If the model changed shape, check the loaded state before stepping."
+            ),
+            stacklevel=stacklevel,
+        )
+    known = {
+        **(expected.states if expected else {}),
+        **{k: v for k, v in (init or {}).items() if v},
+        **{k: v for k, v in live.items() if v},
+    }
+    if by_position:
+        _refuse_misaligned(c_state, slots, known, on_shape_mismatch)
+    overlays = _overlays(c_state, expected, known, pol, on_shape_mismatch)
+    reference = _without_param_names(slots.reference(checkpoint, init=init, overlays=overlays))
     merged = merge_under(
         checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
     )
-    state = merged.state_dict
     keep: set[Any] | None = None
+    state = merged.state_dict
     if fresh == "as_fresh":
-        c_state = checkpoint[STATE]
-        live = slots.live_state()
-        keep = {k for k in slots.every_key() if k in c_state or k in live}
-    return _Plan(slots, slots.load_dicts(state, keep=keep), merged.diff)
+        # the state an optimizer that never saw the checkpoint has: not what a zero-gradient
+        # step made (torchtitan's state_dict() takes one first), but what it makes itself
+        # (Adagrad's accumulators, made with the optimizer). An entry without values is no
+        # state (schedulefree's train() makes {}, heavyball {0: {}}): loaded as it is, with
+        # nothing backfilled into it.
+        keep = {k for k in slots.every_key() if _has_state(c_state.get(k))}
+        held = [k for k in slots.every_key() if k not in keep and live.get(k)]
+        if held:
+            keep.update(made_with_the_optimizer(slots, live, held))
+        hollow = {
+            k: c_state[k]
+            for k in slots.every_key()
+            if k not in keep and isinstance(c_state.get(k), Mapping)
+        }
+        if hollow:
+            state = {**state, STATE: {**state[STATE], **hollow}}
+            keep.update(hollow)
+    dicts = slots.load_dicts(state, keep=keep, entry_keys=slots.entry_keys(reference))
+    return _Plan(slots, dicts, merged.diff)
+
+
+def _has_state(entry: Any) -> bool:
+    """Whether a state entry holds a value anywhere (``{}`` and ``{0: {}}`` hold none)."""
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return True
+            if len(stack) < 64:
+                stack.append(v)
+    return False
+
+
+def _overlays(
+    c_state: Mapping[Any, Any],
+    expected: Expected | None,
+    known: Mapping[Any, Any],
+    pol: Policy,
+    on_shape_mismatch: OnShapeMismatch,
+) -> dict[Any, list[Mismatched]]:
+    """Per slot key, the checkpoint's state fields whose tensors the optimizer shapes otherwise.
+
+    ``known``: per slot key, the state the optimizer gives the parameter (its live state,
+    DSD's, or the twin's of ``expected``). Where it came from the twin, the differing
+    fields go into the reference (the optimizer's own values there), so that the merge
+    reports, refuses or resizes them as it does any tensor (the live and DSD's state are
+    in the reference already). Fields inside lists (PSGD's factor lists), which the merge
+    takes as opaque values, cannot be resized and are refused here, whatever their source.
+
+    Raises:
+        MergeError: A list field differs, or a differing field would be resized or taken
+            from the reference but the optimizer's fresh state is known only on meta
+            tensors (its step failed on a real copy).
+    """
+    out: dict[Any, list[Mismatched]] = {}
+    in_lists: list[str] = []
+    no_values: list[str] = []
+    needs_values = on_shape_mismatch != "raise" or pol.shape != "raise"
+    twin_states = expected.states if expected else {}
+    for key, fresh in known.items():
+        entry = c_state.get(key)
+        if not isinstance(entry, Mapping):
+            continue
+        found = field_mismatches(entry, fresh)
+        from_twin = key in twin_states and twin_states[key] is fresh
+        for m in found:
+            where = ".".join(map(str, (STATE, key, *m.path)))
+            text = (
+                f"{where} ({_tensor_text(m.checkpoint)} in the checkpoint, "
+                f"{_tensor_text(m.fresh)} fresh)"
+            )
+            if m.in_list and m.reshaped:
+                in_lists.append(text)
+            elif (
+                from_twin
+                and needs_values
+                and expected
+                and key not in expected.real
+                and (m.reshaped)
+            ):
+                no_values.append(text)
+        fields = [m for m in found if not m.in_list]
+        if fields and from_twin:
+            out[key] = fields
+    problems = []
+    if in_lists:
+        problems.append(
+            f"{len(in_lists)} optimizer state tensor(s) inside lists do not have the shape "
+            f"their optimizer gives them: {', '.join(in_lists[:10])}; torch's optimizers load "
+            "state without checking its shape, and the next step would fail or broadcast it. "
+            "Tensors in lists cannot be resized."
+        )
+    if no_values:
+        problems.append(
+            f"{len(no_values)} optimizer state tensor(s) do not have the shape their optimizer "
+            f"gives them: {', '.join(no_values[:10])}, and the optimizer's fresh values for them "
+            "are not known (its step failed on a copy of it), so they cannot be resized or "
+            "taken fresh."
+        )
+    if problems:
+        text = "\n".join(f"  - {t}" for t in problems)
+        raise MergeError(f"cannot resume:\n{text}", problems=tuple(problems))
+    return out
+
+
+def _tensor_text(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _refuse_misaligned(
+    c_state: Mapping[Any, Any],
+    slots: Slots,
+    known: Mapping[Any, Any],
+    on_shape_mismatch: OnShapeMismatch,
+) -> None:
+    """Refuse int ids mapped by position whose state does not fit the parameter there.
+
+    A plain ``optimizer.state_dict()`` without ``param_names`` says which parameter is
+    which only by position. When the state at a position does not have the shapes the
+    optimizer gives the parameter now at that position, either the parameter was
+    resized (``on_shape_mismatch="resize"`` says so) or the positions no longer name
+    the same parameters (added, removed, reordered, frozen ones left out). The latter
+    is certain when that state fits another position's parameter exactly; then, or
+    when no resize was asked for, this refuses rather than guess.
+
+    Raises:
+        MergeError: Saying what to pass (the old model's names) or, when only sizes
+            changed, ``on_shape_mismatch="resize"``.
+    """
+    (o,) = slots.optims
+    order = list(itertools.chain.from_iterable(o.keys))
+    bad: list[str] = []
+    shifted: list[str] = []
+    for key in order:
+        entry = c_state.get(key)
+        if not isinstance(entry, Mapping) or not entry or key not in known:
+            continue
+        reshaped_ = [m for m in field_mismatches(entry, known[key]) if m.reshaped]
+        if not reshaped_:
+            continue
+        fields = ", ".join(
+            f"{'.'.join(map(str, m.path))} {_tensor_text(m.checkpoint)} for {_tensor_text(m.fresh)}"
+            for m in reshaped_[:3]
+        )
+        bad.append(f"{key} ({fields})")
+        fits = [
+            other
+            for other in order
+            if other != key and other in known and _fits(entry, known[other])
+        ]
+        if fits:
+            shifted.append(f"{key} fits {fits[0]}")
+    if not bad or (on_shape_mismatch != "raise" and not shifted):
+        return
+    what = (
+        f"the state saved at position(s) {', '.join(shifted[:10])} exactly, "
+        "so the parameters are no longer in the order the checkpoint was saved in"
+        if shifted
+        else "if parameters were added, removed, reordered or frozen, positions name other "
+        "parameters now; if only sizes changed (a grown vocabulary), pass "
+        "on_shape_mismatch='resize'"
+    )
+    text = (
+        f"loaded is a plain optimizer.state_dict() (int param ids, no param_names), which says "
+        f"which parameter is which only by position, and the state at position(s) "
+        f"{', '.join(bad[:10])} does not have the shapes the optimizer gives the parameter "
+        f"there now: {what}. dsdmerge does not guess: key the checkpoint by the names of the "
+        "model it was saved from, dsdmerge.rekey(loaded, old_model.named_parameters()) (in the "
+        "order its optimizer listed them), or save param_names with it (an optimizer built "
+        "from model.named_parameters())."
+    )
+    raise MergeError(f"cannot resume: {text}", problems=(text,))
+
+
+def _fits(entry: Mapping[Any, Any], fresh: Any) -> bool:
+    """Whether a state entry has tensors in common with ``fresh`` and all of their shapes."""
+    if field_mismatches(entry, fresh):
+        return False
+    return any(
+        hasattr(entry.get(k), "shape") and hasattr(v, "shape")
+        for k, v in (fresh.items() if isinstance(fresh, Mapping) else ())
+        if tuple(getattr(v, "shape", ())) != ()
+    )
 
 
 def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
-    """Load each optimizer's part (the verdict has been given)."""
-    if _needs_dsd(model, options):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+    """Load each optimizer's part (the verdict has been given), all or none.
 
-        opts = dataclasses.replace(
-            options or StateDictOptions(), flatten_optimizer_state_dict=False, strict=False
+    Every part is first loaded into a meta twin of its optimizer (no memory; torch's
+    own checks and the optimizer's load hooks run there): what torch would reject is
+    refused before any optimizer changes. If a real load still fails, the optimizers
+    loaded so far get back the state they had (their ``state_dict()`` from before).
+
+    Raises:
+        MergeError: torch (or the optimizer's load hooks) rejects a part.
+    """
+    for n, (o, sd) in enumerate(zip(plan.slots.optims, plan.dicts, strict=True)):
+        try:
+            tw, _ = twin(o.optimizer, kind="meta")
+        except Exception:  # noqa: BLE001 - no twin, no dry run: the real load is undone
+            continue
+        try:
+            tw.load_state_dict(sd)
+        except Exception as err:
+            raise _rejected(plan, n, o.optimizer, err, "nothing was loaded") from err
+    dsd = _needs_dsd(model, options)
+    parts = _fqn_keyed_each(plan) if dsd else plan.dicts
+    done: list[Any] = []
+    for n, (o, sd) in enumerate(zip(plan.slots.optims, parts, strict=True)):
+        done.append(o)
+        try:
+            if dsd:
+                _dsd_load(model, o.optimizer, sd, options)
+            else:
+                o.optimizer.load_state_dict(sd)
+        except Exception as err:
+            undone = _restore(done[:-1])
+            _restore(done[-1:])  # torch changes nothing before its checks; a hook may have
+            raise _rejected(plan, n, o.optimizer, err, undone) from err
+
+
+def _dsd_load(model: Any, optimizer: Any, sd: Any, options: StateDictOptions | None) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    opts = dataclasses.replace(
+        options or StateDictOptions(), flatten_optimizer_state_dict=False, strict=False
+    )
+    set_optimizer_state_dict(model, optimizer, sd, options=opts)
+
+
+def _restore(done: list[Any]) -> str:
+    """Give the optimizers in ``done`` back the state they had before; say how it went."""
+    if not done:
+        return "no optimizer was changed"
+    failed = []
+    for o in done:
+        try:
+            o.optimizer.load_state_dict(o.live)
+        except Exception as err:  # noqa: BLE001 - reported, the first error is the cause
+            failed.append(f"{type(o.optimizer).__name__} ({type(err).__name__}: {err})")
+    if failed:
+        return (
+            "the optimizers loaded before it could not all be given back their state: "
+            + ", ".join(failed)
         )
-        for o, sd in zip(plan.slots.optims, _fqn_keyed_each(plan), strict=True):
-            set_optimizer_state_dict(model, o.optimizer, sd, options=opts)
-        return
-    for o, sd in zip(plan.slots.optims, plan.dicts, strict=True):
-        o.optimizer.load_state_dict(sd)
+    return "the optimizers loaded before it have their state from before again"
+
+
+def _rejected(plan: _Plan, n: int, optimizer: Any, err: BaseException, what: str) -> MergeError:
+    which = (
+        f"optimizer {n} ({type(optimizer).__name__})"
+        if len(plan.dicts) > 1
+        else (type(optimizer).__name__)
+    )
+    text = (
+        f"{which}.load_state_dict rejects the merged state: {type(err).__name__}: "
+        f"{short_repr(str(err))}; {what}. The checkpoint holds a value torch cannot load "
+        "(a state entry of the wrong type, such as a string step): check it with "
+        "dsdmerge.diff(loaded, reference, values=True)."
+    )
+    return MergeError(f"cannot resume: {text}", diff=plan.diff, problems=(text,))
 
 
 def _needs_dsd(model: Any, options: StateDictOptions | None) -> bool:
@@ -442,7 +781,17 @@ def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
 
 
 def _nested(loaded: Mapping[Any, Any]) -> dict[Any, Any]:
-    """``loaded`` as a nested optimizer state dict (a flattened one unflattened by DSD's rules)."""
+    """``loaded`` as a nested optimizer state dict (a flattened one unflattened by DSD's rules).
+
+    A DCP round trip drops empty containers: an optimizer without state comes back as
+    ``{"param_groups": [...]}`` and is read with an empty ``state``.
+    """
+    if (
+        STATE not in loaded
+        and isinstance(loaded.get(PARAM_GROUPS), list)
+        and all(isinstance(g, Mapping) and PARAMS in g for g in loaded[PARAM_GROUPS])
+    ):
+        loaded = {**loaded, STATE: {}}
     if classify(loaded) is Layout.FLAT:
         nested = unflatten(loaded)
         if not is_optimizer_state_dict(nested):
@@ -451,13 +800,13 @@ def _nested(loaded: Mapping[Any, Any]) -> dict[Any, Any]:
                 "'state.<fqn>.<name>' / 'param_groups.<fqn>.<hyperparameter>'); pass the "
                 "optimizer's state dict, not a whole checkpoint"
             )
-        return nested
+        return dict(normalise_ids(nested, what="loaded"))
     if not is_optimizer_state_dict(loaded):
         raise LayoutError(
             "loaded is not an optimizer state dict: it has no 'state' mapping and "
             "'param_groups' list; pass the optimizer's part of the checkpoint"
         )
-    return _normalise_ids(loaded)
+    return dict(normalise_ids(loaded, what="loaded"))
 
 
 def _group_ids(osd: Mapping[Any, Any]) -> list[Any]:
@@ -472,28 +821,6 @@ def _id_keyed(osd: Mapping[Any, Any]) -> bool:
     """Whether the param groups list int ids (``optimizer.state_dict()``), not fqns."""
     ids = _group_ids(osd)
     return bool(ids) and all(type(pid) is int for pid in ids)
-
-
-def _normalise_ids(osd: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Int param ids whose state keys became strings (a DCP round trip: ``'0'``) made int again.
-
-    Only when every param id in the groups is an int and the string is exactly the
-    decimal spelling of one of them; anything else is left as it is.
-    """
-    ids = _group_ids(osd)
-    state = osd[STATE]
-    if not ids or not all(type(pid) is int for pid in ids):
-        return dict(osd)
-    known = {str(pid): pid for pid in ids}
-    if not any(type(k) is str and k in known for k in state):
-        return dict(osd)
-    if any(type(k) is str and k in known and known[k] in state for k in state):
-        raise LayoutError(
-            "the optimizer state has both an int param id and its string spelling as keys; "
-            "which one is meant cannot be told"
-        )
-    fixed = {(known[k] if type(k) is str and k in known else k): v for k, v in state.items()}
-    return {**osd, STATE: fixed}
 
 
 def _has_param_names(osd: Mapping[Any, Any]) -> bool:
@@ -513,6 +840,34 @@ def _fqn_keyed_by_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     return rekey(osd)
 
 
+def _names_moved(osd: Mapping[Any, Any], opts: Sequence[Any], model: Any) -> bool:
+    """Whether torch's ``param_names`` say that positions now name other parameters."""
+    if not _has_param_names(osd) or len(opts) != 1:
+        return False
+    fqn_of = param_fqns(model)
+    live = [[_unwrapped(fqn_of.get(id(p), "")) for p in g[PARAMS]] for g in opts[0].param_groups]
+    saved = [[_unwrapped(str(n)) for n in g[_PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
+    return live != saved
+
+
+_WRAPPER_SEGMENTS = (
+    "module.",
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+)
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter name without the segments wrappers add (DDP, torch.compile, FSDP1, AC).
+
+    Names saved from a wrapped model still name the same parameters.
+    """
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
 def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
     """An int-keyed checkpoint with its ids mapped to the live optimizer's, by position.
 
@@ -527,9 +882,12 @@ def _to_live_ids(checkpoint: Mapping[Any, Any], slots: Slots) -> dict[Any, Any]:
         text = (
             f"the checkpoint has {len(sizes)} param group(s) of sizes {sizes} but the "
             f"optimizer has {len(live_sizes)} of sizes {live_sizes}; a plain "
-            "optimizer.state_dict() (int ids) maps parameters by position, so it cannot be "
-            "resumed across that change. Rekey it to fqns with dsdmerge.rekey (or save "
-            "get_optimizer_state_dict next time)."
+            "optimizer.state_dict() (int ids, no param_names) says which parameter is which "
+            "only by position, so it cannot be resumed across that change, and dsdmerge does "
+            "not guess. Key it by the names of the model it was saved from: "
+            "dsdmerge.rekey(loaded, old_model.named_parameters()) (in the order its optimizer "
+            "listed them), then resume that (or save param_names with it: an optimizer built "
+            "from model.named_parameters())."
         )
         raise MergeError(f"cannot resume: {text}", problems=(text,))
     mapping: dict[Any, Any] = {}
@@ -799,10 +1157,31 @@ def load_dcp(
         )
         for path_ in skipped:
             _prune(target, path_)
+    _fold_spellings(target)
     for key, obj in stateful.items():
         # what was not read keeps its current value, as in dcp.load's partial load
         obj.load_state_dict(_filled(copy_tree(target.get(key, {})), expanded[key]))
     return DCPLoad(target, diff)
+
+
+def _fold_spellings(tree: dict[Any, Any]) -> None:
+    """Fold a ``'0'`` entry into the ``0`` entry next to it (in place, in ``load_dcp``'s own copy).
+
+    DCP places a bytes entry (heavyball's ``is_initialized`` set) by its path with every
+    key spelled as a string, next to the state dict's own int-keyed dict
+    (``{0: {"exp_avg": ..., "is_initialized": <the state dict's>}, "0": {"is_initialized":
+    <the checkpoint's>}}``): one entry, spelled two ways; what was read wins.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for k in [k for k in node if type(k) is str and k.isdecimal() and k.isascii()]:
+            other = node.get(int(k)) if str(int(k)) == k else None
+            mine = node[k]
+            if isinstance(other, dict) and isinstance(mine, dict):
+                other.update(mine)
+                del node[k]
+        stack.extend(v for v in node.values() if isinstance(v, dict))
 
 
 def _filled(dest: Any, src: Any) -> Any:
@@ -849,7 +1228,12 @@ def _prune_tensors(target: dict[str, Any], original: Mapping[str, Any], keys: se
 
 
 def _prune(root: dict[str, Any], path: tuple[Any, ...]) -> None:
-    """Remove the entry at ``path`` and the dicts it leaves empty (list items are kept)."""
+    """Remove the entry at ``path`` and the dicts it leaves empty.
+
+    An item of a list of values (PSGD's factor lists ``Q.0``, ``Q.1``) takes the whole
+    list with it: a list only partly read is not the checkpoint's. Keys inside a list's
+    dicts (``param_groups.<i>.<name>``) go one by one, the list stays.
+    """
     chain: list[Any] = [root]
     node: Any = root
     for part in path[:-1]:
@@ -858,6 +1242,9 @@ def _prune(root: dict[str, Any], path: tuple[Any, ...]) -> None:
         except (KeyError, IndexError, TypeError):
             return
         chain.append(node)
+    while len(chain) > 1 and isinstance(chain[-1], list):
+        chain.pop()  # the list itself goes, from the dict that holds it
+        path = path[: len(chain)]
     parent = chain[-1]
     if not isinstance(parent, dict) or path[-1] not in parent:
         return
