@@ -165,16 +165,17 @@ def oracle(old, new_opts, lr_steps):
     ``init_optim_state`` gives it before a load). Then the steps, at torchtitan's warmup
     lr."""
     old_model, old_optim = old
+    new = renamed if new_opts.get("mid") == "mid" else str
     model = Net(**new_opts)
     with torch.no_grad():
         for k, v in old_model.items():
-            model.state_dict()[renamed(k)][tuple(map(slice, v.shape))].copy_(v)
+            model.state_dict()[new(k)][tuple(map(slice, v.shape))].copy_(v)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
     names = {id(p): n for n, p in model.named_parameters()}
     (old_group,) = old_optim["param_groups"]
     by_name = {
-        renamed(n): old_optim["state"][pid]
+        new(n): old_optim["state"][pid]
         for pid, n in zip(old_group["params"], old_group[NAMES], strict=True)
         if pid in old_optim["state"]
     }

@@ -80,17 +80,29 @@ def load_changed(
     import torch
 
     old = _distinct(view)
-    renamed, findings = surgery(old, policy, rename=rename, convert=None, stacklevel=stacklevel)
-    if len(renamed) != len(old):  # a flat mapping renames key by key, in order
-        raise LayoutError(f"{where}: renaming the checkpoint's keys changed how many there are")
-    old_of = dict(zip(renamed, old, strict=True))  # new flat key -> the checkpoint's
+    parts = _parts(old, expanded)
+    nested_old = _nest(old, parts)
+    nested, findings = surgery(
+        nested_old, policy, rename=rename, convert=None, stacklevel=stacklevel
+    )
+    old_of: dict[str, str] = {}  # new flat key -> the checkpoint's
+    for part, sub in nested_old.items():
+        new_sub = nested.get(part, {})
+        if len(new_sub) != len(sub):  # a flat mapping renames key by key, in order
+            raise LayoutError(
+                f"{where}: renaming the checkpoint's keys changed how many there are"
+            )
+        for a, b in zip(sub, new_sub, strict=True):
+            old_of[_joined(part, b)] = _joined(part, a)
+    renamed = _unnest(nested)
     converted: Mapping[str, Any] = renamed
     products: set[str] = set()
     consumed: list[str] = []
     if convert is not None:
-        converted, more = surgery(
-            renamed, policy, rename=None, convert=convert, stacklevel=stacklevel
+        nested_conv, more = surgery(
+            nested, policy, rename=None, convert=convert, stacklevel=stacklevel
         )
+        converted = _unnest(nested_conv)
         findings = [*findings, *more]
         before = {id(v) for v in renamed.values() if type(v) is TensorMeta}
         after = {id(v) for v in converted.values() if type(v) is TensorMeta}
@@ -162,7 +174,7 @@ def load_changed(
     values: dict[str, Any] = {k: buffers[source] for k, source in fresh_of.items()}
     if made:
         whole = len(sources) == len(consumed)
-        got = _converted(old, buffers, policy, rename, convert, made, last=whole)
+        got = _converted(old, parts, buffers, policy, rename, convert, made, last=whole)
         if got is None:  # a conversion spans parts: read the rest of its sources too
             rest = [old_of[k] for k in consumed if old_of[k] not in buffers]
             _check_budget(
@@ -176,7 +188,7 @@ def load_changed(
             buffers.update(
                 _read(where, rest, old, metadata, trusted, no_dist, process_group, storage_reader)
             )
-            got = _converted(old, buffers, policy, rename, convert, made, last=True)
+            got = _converted(old, parts, buffers, policy, rename, convert, made, last=True)
         assert got is not None
         values.update(got)
 
@@ -226,6 +238,46 @@ def _distinct(view: Mapping[str, Any]) -> dict[str, Any]:
     if len({id(v) for v in metas}) != len(metas):
         out = {k: TensorMeta(v.shape, v.dtype) if type(v) is TensorMeta else v for k, v in out.items()}
     return out
+
+
+def _parts(view: Mapping[str, Any], expanded: Mapping[str, Any]) -> set[str]:
+    """The parts of the checkpoint that are renamed and converted each as a whole.
+
+    Each top-level key of the state dict whose value is a mapping (``"model"``,
+    ``"optimizer"``), and each first segment of the checkpoint's keys that heads a flat
+    optimizer (``<part>.param_groups.*``) but is no key of the state dict. Everything
+    else (the state dict's top-level leaves: torchtitan's manager passes its model's
+    keys there) is one more part, a model state dict of its own.
+    """
+    leaves = {k for k, v in expanded.items() if not isinstance(v, Mapping)}
+    out = {k for k, v in expanded.items() if type(k) is str and isinstance(v, Mapping)}
+    for key in view:
+        head, _, rest = key.partition(".")
+        if head not in leaves and rest.startswith("param_groups."):
+            out.add(head)
+    out.discard("")
+    return out
+
+
+def _nest(flat: Mapping[str, Any], parts: set[str]) -> dict[str, dict[str, Any]]:
+    """``{part: {key within it: value}}``, ``""`` for the keys under no part (in order)."""
+    out: dict[str, dict[str, Any]] = {"": {}}
+    for key, value in flat.items():
+        head, dot, rest = key.partition(".")
+        if dot and head in parts:
+            out.setdefault(head, {})[rest] = value
+        else:
+            out[""][key] = value
+    return out
+
+
+def _joined(part: str, key: str) -> str:
+    return f"{part}.{key}" if part else key
+
+
+def _unnest(nested: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The flat mapping :func:`_nest` split."""
+    return {_joined(part, k): v for part, sub in nested.items() for k, v in sub.items()}
 
 
 def _plain_paths(tree: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
@@ -349,6 +401,7 @@ def _read(
 
 def _converted(
     old: Mapping[str, Any],
+    parts: set[str],
     buffers: Mapping[str, Any],
     policy: Policy,
     rename: Rules | None,
@@ -364,13 +417,14 @@ def _converted(
     view). ``None`` when some value of ``made`` is not made from read data only (its
     sources were not all read); with ``last``, that is an error.
     """
-    data = {**old, **buffers}
+    data = _nest({**old, **buffers}, parts)
     try:
-        out, _ = surgery(data, policy, rename=rename, convert=convert, stacklevel=1, quiet=True)
+        nested, _ = surgery(data, policy, rename=rename, convert=convert, stacklevel=1, quiet=True)
     except DSDMergeError:
         if last:
             raise
         return None
+    out = _unnest(nested)
     got = {k: out[k] for k in made}
     if any(type(v) is TensorMeta or _unread(v) for v in got.values()):
         if last:  # cannot be: every source was read
