@@ -89,9 +89,7 @@ def load_changed(
     for part, sub in nested_old.items():
         new_sub = nested.get(part, {})
         if len(new_sub) != len(sub):  # a flat mapping renames key by key, in order
-            raise LayoutError(
-                f"{where}: renaming the checkpoint's keys changed how many there are"
-            )
+            raise LayoutError(f"{where}: renaming the checkpoint's keys changed how many there are")
         for a, b in zip(sub, new_sub, strict=True):
             old_of[_joined(part, b)] = _joined(part, a)
     renamed = _unnest(nested)
@@ -236,7 +234,9 @@ def _distinct(view: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(view)
     metas = [v for v in out.values() if type(v) is TensorMeta]
     if len({id(v) for v in metas}) != len(metas):
-        out = {k: TensorMeta(v.shape, v.dtype) if type(v) is TensorMeta else v for k, v in out.items()}
+        out = {
+            k: TensorMeta(v.shape, v.dtype) if type(v) is TensorMeta else v for k, v in out.items()
+        }
     return out
 
 
