@@ -1025,7 +1025,7 @@ def load_dcp(
     convert: Conversions | None = None,
     on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> DCPLoad:
-    """Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
+    r"""Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
 
     1. Reads the checkpoint's ``.metadata`` only (safely, see
        :func:`~dsdmerge.integrations.read_metadata`) and applies the policy to
