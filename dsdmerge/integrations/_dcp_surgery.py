@@ -3,7 +3,12 @@
 Internal to :mod:`dsdmerge.integrations`. The rule: the checkpoint's view (its
 ``.metadata``) is renamed and converted first, exactly as ``rename=`` and ``convert=``
 of :func:`dsdmerge.check` do it, and the policy decides on that view before any tensor
-is read. Then each key of the state dict passed in is, by what the view says:
+is read. The view is renamed and converted part by part, as the state dict passed in
+is made: each of its top-level mappings (``"model"``, ``"optim"``) is one part, and its
+top-level leaves are one more, a model of their own (torchtitan's manager passes its
+model's keys there, next to ``"optimizer"``); a whole checkpoint renamed at once would
+take those leaves for non-fqn keys such as ``"step"``. Then each key of the state dict
+passed in is, by what the view says:
 
 * *in place*: the checkpoint holds it under the same name and shape and no rule touched
   it: DCP reads it straight into the caller's tensor, as ``dcp.load`` does;
