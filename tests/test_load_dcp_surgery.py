@@ -434,3 +434,36 @@ def test_a_dtensor_target_is_a_state_dict_type_error(tmp_path):
         assert not target["w"].full_tensor().any()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_alone_and_a_flat_optimizer_alone_rename_too(tmp_path):
+    old = Wrapped()
+    old_optim = adamw(old)
+    torch_steps(old, old_optim, 0, 2)
+    saved = {
+        "model": old.state_dict(),
+        "optim": get_optimizer_state_dict(old, old_optim, options=FLAT),
+    }
+    model = Net()
+    targets = {
+        "model": model.state_dict(),
+        "optim": get_optimizer_state_dict(model, adamw(model), options=FLAT),
+    }
+    for part in ("model", "optim"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(saved[part], checkpoint_id=str(tmp_path / part))
+        loaded, diff = load_dcp(
+            tmp_path / part, targets[part], policy="strict", rename={r"^module\.": ""}
+        )
+        assert not diff.missing
+        assert not diff.unexpected
+        # the one rule, by hand: in every key, and in every param_names list
+        by_hand = {
+            k.replace("module.", "", 1): [n.removeprefix("module.") for n in v]
+            if k.endswith(".param_names")
+            else v
+            for k, v in saved[part].items()
+        }
+        assert equal(loaded, by_hand)
+        assert equal(targets[part], by_hand)  # read in place

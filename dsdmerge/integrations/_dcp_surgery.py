@@ -145,8 +145,25 @@ def load_changed(
             source = old_of[key]
             if source != key or key in reshape:
                 fresh_of[key] = source
-    surgical = [*fresh_of, *made]
     paths = _plain_paths(expanded)
+    # values that are not tensors (hyperparameters, ``param_names`` lists: DCP bytes entries,
+    # not in the view) are read with the buffers and go through the same rules
+    valued: list[str] = []
+    if rename is not None or convert is not None:
+        dropped = set(drop)
+        valued = [
+            k
+            for k, leaf in target_flat.items()
+            if k in paths
+            and k in converted
+            and k not in products
+            and k not in dropped
+            and type(converted[k]) is not TensorMeta
+            and not isinstance(leaf, torch.Tensor)
+        ]
+        for k in valued:
+            fresh_of.pop(k, None)
+    surgical = [*fresh_of, *made, *valued]
     stored = metadata.state_dict_metadata
     _require_plain(where, surgical, paths)
     for key in surgical:
@@ -167,7 +184,9 @@ def load_changed(
         sources = [k for k in consumed if k.partition(".")[0] in tops]
     if not made:
         sources = []
-    reads = dict.fromkeys([*fresh_of.values(), *(old_of[k] for k in sources)])
+    reads = dict.fromkeys(
+        [*fresh_of.values(), *(old_of[k] for k in valued), *(old_of[k] for k in sources)]
+    )
     _require_dcp_keys(where, list(reads), stored)
     _check_budget(where, reads, old, metadata, [target_flat[k] for k in surgical], diff)
 
@@ -175,9 +194,10 @@ def load_changed(
     buffers = _read(where, reads, old, metadata, trusted, no_dist, process_group, storage_reader)
     checked = bool(buffers)  # the storage entries were checked by that read
     values: dict[str, Any] = {k: buffers[source] for k, source in fresh_of.items()}
-    if made:
+    if made or valued:
         whole = len(sources) == len(consumed)
-        got = _converted(old, parts, buffers, policy, rename, convert, made, last=whole)
+        wanted = [*made, *valued]
+        got = _converted(old, parts, buffers, policy, rename, convert, wanted, last=whole)
         if got is None:  # a conversion spans parts: read the rest of its sources too
             rest = [old_of[k] for k in consumed if old_of[k] not in buffers]
             _check_budget(
@@ -191,7 +211,7 @@ def load_changed(
             buffers.update(
                 _read(where, rest, old, metadata, trusted, no_dist, process_group, storage_reader)
             )
-            got = _converted(old, parts, buffers, policy, rename, convert, made, last=True)
+            got = _converted(old, parts, buffers, policy, rename, convert, wanted, last=True)
         assert got is not None
         values.update(got)
 
