@@ -33,6 +33,7 @@ its inputs first.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
 from dsdmerge.errors import LayoutError
@@ -97,6 +98,8 @@ def respelled_state(state: Mapping[Any, Any], own: Mapping[Any, Any], /) -> Mapp
     ``own``: the same parameters' state as the optimizer keeps it (by the same keys).
     Returns ``state`` itself when nothing changes.
     """
+    if _plain(state):
+        return state
     changed: dict[Any, Any] = {}
     for key, entry in state.items():
         mine = own.get(key)
@@ -107,6 +110,25 @@ def respelled_state(state: Mapping[Any, Any], own: Mapping[Any, Any], /) -> Mapp
     if not changed:
         return state
     return {k: changed.get(k, v) for k, v in state.items()}
+
+
+def _plain(state: Mapping[Any, Any]) -> bool:
+    """Whether no entry of ``state`` can need respelling, decided in C-level passes.
+
+    True when every entry is a ``dict`` whose keys are strings that are not decimal
+    (state field names: no key DCP respelled from an int) and whose values are not
+    mappings (nothing nested to respell): :func:`_respell` would return every entry
+    as it is. A per-entry walk costs ~4 us an entry (0.2 s for DeepSeek-V3's 47k
+    parameters); this is ~10x less.
+    """
+    entries = list(state.values())
+    if not set(map(type, entries)) <= {dict}:
+        return False
+    names: set[Any] = set().union(*entries)
+    if not all(type(k) is str and not k.isdecimal() for k in names):
+        return False
+    kinds = set(map(type, chain.from_iterable(map(dict.values, entries))))
+    return not any(issubclass(t, Mapping) for t in kinds)
 
 
 def _pair(node: Mapping[Any, Any], ref: Mapping[Any, Any], depth: int) -> Mapping[Any, Any]:

@@ -70,6 +70,7 @@ LAYERS = [
     "dsdmerge.integrations._fresh",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
+    "dsdmerge.integrations._dcp_surgery",
     "dsdmerge.integrations.resume",
     "dsdmerge.integrations.hooks",
     "dsdmerge.integrations.lightning",

@@ -86,6 +86,7 @@ from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
+from dsdmerge.integrations._dcp_surgery import load_changed
 from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
     Expected,
@@ -1010,8 +1011,11 @@ def load_dcp(
     trusted: Trust = False,
     process_group: Any = None,
     storage_reader: Any = None,
+    rename: Rules | None = None,
+    convert: Conversions | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> DCPLoad:
-    """Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
+    r"""Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
 
     1. Reads the checkpoint's ``.metadata`` only (safely, see
        :func:`~dsdmerge.integrations.read_metadata`) and applies the policy to
@@ -1030,6 +1034,16 @@ def load_dcp(
     ``torch.distributed`` is initialised (every rank calls it), like ``dcp.load``.
     Then hand the parts of the result to :func:`resume_model` and
     :func:`resume_optimizer`, which backfill what is missing.
+
+    With ``rename=``, ``convert=`` or ``on_shape_mismatch="resize"``, the metadata is
+    renamed and converted first (as :func:`dsdmerge.check` does it) and the policy
+    decides on that. Keys that load unchanged are read in place as above; renamed,
+    converted and resized ones are read under their old names into new buffers,
+    converted, and copied into ``state_dict``'s tensors (a resized one: the
+    overlapping slice, the rest keeps its values; listed in ``diff.resized``). Keys
+    that end up unexpected are never read, and a refused call reads nothing and
+    changes nothing. These keys must be plain tensors (not DTensors) stored under
+    their flat name (a model, or a flattened optimizer state dict).
 
     Values that are ``Stateful`` (anything with ``state_dict()`` and
     ``load_state_dict()``: a trainer's model, optimizer, lr-scheduler or
@@ -1055,6 +1069,12 @@ def load_dcp(
         storage_reader: A DCP ``StorageReader`` that reads the data (a directory
             another storage writer wrote, e.g. OLMo-core's); ``.metadata`` is still
             read safely (see :func:`~dsdmerge.integrations.load_checkpoint`).
+        rename: Rename rules applied to the checkpoint's keys first (see
+            :func:`dsdmerge.rename`), e.g. ``{r"^layers\.": "blocks."}``.
+        convert: Layout conversions applied next (see :func:`dsdmerge.convert`).
+        on_shape_mismatch: ``"raise"`` (as the policy says), ``"take_reference"``
+            (keep ``state_dict``'s tensor, read nothing) or ``"resize"`` (a grown
+            vocabulary keeps its trained rows and moments).
 
     Returns:
         ``DCPLoad(state_dict, diff)``: the values read, in ``state_dict``'s
@@ -1062,6 +1082,9 @@ def load_dcp(
 
     Raises:
         MergeError: The policy rejects a difference (nothing was read).
+        LayoutError: A renamed, converted or resized key is not stored under its
+            flat name (nothing was read).
+        StateDictTypeError: One goes into a tensor that is not a plain tensor.
         CheckpointReadError: The checkpoint cannot be read.
         UnsafeCheckpointError: Its metadata or a bytes entry would run code.
 
@@ -1083,32 +1106,55 @@ def load_dcp(
     require_mapping(state_dict, "state_dict")
     where = str(path)
     merge_options = MergeOptions.of(
-        policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
     )
+    pol = merge_options.policy
     view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
     expanded = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
-    # the policy's verdict before any data is read (warnings point at our caller)
-    diff = verdict(view, expanded, merge_options, stacklevel=2)
-    target = copy_tree(expanded)
-    if diff.mismatched:
-        shape = {m.key for m in diff.mismatched if reshaped(m)}
-        _prune_tensors(target, expanded, shape)
     no_dist = not (dist.is_available() and dist.is_initialized())
-    skipped = run_dcp_load(
-        where,
-        target,
-        metadata,
-        trusted=trusted,
-        allow_partial_load=bool(diff.missing),
-        no_dist=no_dist,
-        process_group=process_group,
-        storage_reader=storage_reader,
-    )
-    for path_ in skipped:
-        _prune(target, path_)
+    if rename is not None or convert is not None or on_shape_mismatch != "raise":
+        target, diff = load_changed(
+            where,
+            view,
+            metadata,
+            expanded,
+            pol,
+            rename=rename,
+            convert=convert,
+            on_shape_mismatch=on_shape_mismatch,
+            trusted=trusted,
+            no_dist=no_dist,
+            process_group=process_group,
+            storage_reader=storage_reader,
+            stacklevel=3,
+        )
+    else:
+        # the policy's verdict before any data is read (warnings point at our caller)
+        diff = verdict(view, expanded, merge_options, stacklevel=2)
+        target = copy_tree(expanded)
+        if diff.mismatched:
+            shape = {m.key for m in diff.mismatched if reshaped(m)}
+            _prune_tensors(target, expanded, shape)
+        skipped = run_dcp_load(
+            where,
+            target,
+            metadata,
+            trusted=trusted,
+            allow_partial_load=bool(diff.missing),
+            no_dist=no_dist,
+            process_group=process_group,
+            storage_reader=storage_reader,
+        )
+        for path_ in skipped:
+            _prune(target, path_)
     _fold_spellings(target)
     for key, obj in stateful.items():
         # what was not read keeps its current value, as in dcp.load's partial load
