@@ -43,8 +43,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dsdmerge._core import copy_tree, reshaped, surgery, verdict
+from dsdmerge._pipeline import surgery, verdict
 from dsdmerge._records import Resized, TensorMeta
+from dsdmerge._trees import copy_tree
+from dsdmerge._verdict import reshaped
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeError, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten

@@ -74,17 +74,14 @@ import dataclasses
 import itertools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from dsdmerge._core import (
-    copy_tree,
-    merge_under,
-    normalise_ids,
-    reshaped,
-    respelled_state,
-    short_repr,
-    verdict,
-)
+from dsdmerge._ids import normalise_ids, respelled_state
+from dsdmerge._options import Fresh, MergeOptions
+from dsdmerge._pipeline import run, verdict
+from dsdmerge._trees import copy_tree
+from dsdmerge._values import short_repr
+from dsdmerge._verdict import reshaped
 from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
@@ -95,10 +92,10 @@ from dsdmerge.integrations._optim import (
     Expected,
     Mismatched,
     Slots,
-    _inner,
     expected_state,
     field_mismatches,
     init_state,
+    inner_optimizers,
     leaf_optimizers,
     made_with_the_optimizer,
     param_fqns,
@@ -107,6 +104,7 @@ from dsdmerge.integrations._optim import (
 from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     STATE,
     Layout,
@@ -114,8 +112,7 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     require_mapping,
 )
-from dsdmerge.merge import Fresh
-from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName, resolve_policy
+from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName
 from dsdmerge.rekey import rekey
 from dsdmerge.rename import rename as dm_rename
 from dsdmerge.resize import OnShapeMismatch
@@ -137,9 +134,6 @@ __all__ = [
     "resume_model",
     "resume_optimizer",
 ]
-
-_FRESH: tuple[Fresh, ...] = ("reference", "as_fresh")
-_PARAM_NAMES = "param_names"
 
 
 def resume_optimizer(
@@ -230,19 +224,16 @@ def resume_optimizer(
         >>> optim.param_groups[0]["lr"]
         0.5
     """
-    plan = _plan(
-        model,
-        optimizers,
-        loaded,
+    merge_options = MergeOptions.of(
         policy,
-        allow_missing,
-        allow_unexpected,
-        fresh,
-        stacklevel=3,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
         rename=rename,
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
     )
+    plan = plan_resume(model, optimizers, loaded, merge_options, stacklevel=3)
     _load(plan, model, options)
     return plan.diff
 
@@ -318,7 +309,16 @@ def backfill_optimizer_state(
         >>> optim.param_groups[0]["lr"], sorted(optim.state_dict()["state"])
         (0.5, [0])
     """
-    container = _inner(optimizer) is not None
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
+    )
+    container = inner_optimizers(optimizer) is not None
     if container and fresh == "as_fresh":
         raise InvalidPolicyError(
             f"{type(optimizer).__name__} loads through DSD's flattened set_optimizer_state_dict, "
@@ -326,19 +326,7 @@ def backfill_optimizer_state(
             "that way: pass fresh='reference' (DSD's zero-gradient state), or load with "
             "resume_optimizer(model, optimizer, loaded), which starts them fresh."
         )
-    plan = _plan(
-        model,
-        optimizer,
-        loaded,
-        policy,
-        allow_missing,
-        allow_unexpected,
-        fresh,
-        stacklevel=3,
-        rename=rename,
-        convert=convert,
-        on_shape_mismatch=on_shape_mismatch,
-    )
+    plan = plan_resume(model, optimizer, loaded, merge_options, stacklevel=3)
     if container:
         return flatten(_fqn_keyed(plan))
     if len(plan.dicts) != 1:
@@ -360,27 +348,24 @@ class _Plan:
     diff: KeyDiff
 
 
-def _plan(
+def plan_resume(
     model: Any,
     optimizers: Any,
     loaded: Mapping[Any, Any],
-    policy: PolicyName | Policy,
-    allow_missing: str | Iterable[str],
-    allow_unexpected: str | Iterable[str],
-    fresh: str,
+    options: MergeOptions,
     *,
-    stacklevel: int,  # as for warnings.warn, counted from here (1: _plan)
-    rename: Rules | None = None,
-    convert: Conversions | None = None,
-    on_shape_mismatch: OnShapeMismatch = "raise",
+    stacklevel: int,  # as for warnings.warn, counted from here (1: plan_resume)
 ) -> _Plan:
+    """Everything a resume decides before anything changes: the state dicts to load.
+
+    Raises as the resume helpers say (nothing changed).
+    """
     require_mapping(loaded, "loaded")
-    if fresh not in _FRESH:
-        raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    rename, convert = options.rename, options.convert
+    on_shape_mismatch, fresh = options.on_shape_mismatch, options.fresh
     # what the reference lacks is the state of parameters no longer optimized (every field of a
     # parameter that is, and the optimizer-level entries, are in it): left out, and reported
-    pol = dataclasses.replace(pol, drop_unexpected=True)
+    pol = dataclasses.replace(options.policy, drop_unexpected=True)
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
     if (
@@ -398,7 +383,9 @@ def _plan(
                 "param_names: key it by the old model's names first, with "
                 "dsdmerge.rekey(loaded, old_model.named_parameters())"
             )
-        checkpoint = dm_rename(checkpoint, rename, unmatched=pol.unmatched_rename)
+        # compiled rules are rules too (compile_rules passes them through)
+        rules = cast("Rules", rename)
+        checkpoint = dm_rename(checkpoint, rules, unmatched=pol.unmatched_rename)
     if convert is not None:
         checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
     keyed = "id" if _id_keyed(checkpoint) else "fqn"
@@ -465,9 +452,11 @@ def _plan(
         _refuse_misaligned(c_state, slots, known, on_shape_mismatch)
     overlays = _overlays(c_state, expected, known, pol, on_shape_mismatch)
     reference = _without_param_names(slots.reference(checkpoint, init=init, overlays=overlays))
-    merged = merge_under(
-        checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
+    # renamed and converted above; the fresh state is left out below
+    merge_options = dataclasses.replace(
+        options, policy=pol, rename=None, convert=None, fresh="reference"
     )
+    merged = run(checkpoint, reference, merge_options, stacklevel=stacklevel)
     keep: set[Any] | None = None
     state = merged.state_dict
     if fresh == "as_fresh":
@@ -772,7 +761,7 @@ def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
     groups: list[Any] = []
     for sd in _fqn_keyed_each(plan):
         state.update(sd[STATE])
-        groups.extend({k: v for k, v in g.items() if k != _PARAM_NAMES} for g in sd[PARAM_GROUPS])
+        groups.extend({k: v for k, v in g.items() if k != PARAM_NAMES} for g in sd[PARAM_GROUPS])
     return {STATE: state, PARAM_GROUPS: groups}
 
 
@@ -827,8 +816,8 @@ def _has_param_names(osd: Mapping[Any, Any]) -> bool:
     """Whether every param group carries torch's ``param_names`` (torch >= 2.5), one per param."""
     groups = [g for g in osd[PARAM_GROUPS] if isinstance(g, Mapping)]
     return bool(groups) and all(
-        isinstance(g.get(_PARAM_NAMES), (list, tuple))
-        and len(g[_PARAM_NAMES]) == len(g.get(PARAMS, ()))
+        isinstance(g.get(PARAM_NAMES), (list, tuple))
+        and len(g[PARAM_NAMES]) == len(g.get(PARAMS, ()))
         for g in groups
     )
 
@@ -846,7 +835,7 @@ def _names_moved(osd: Mapping[Any, Any], opts: Sequence[Any], model: Any) -> boo
         return False
     fqn_of = param_fqns(model)
     live = [[_unwrapped(fqn_of.get(id(p), "")) for p in g[PARAMS]] for g in opts[0].param_groups]
-    saved = [[_unwrapped(str(n)) for n in g[_PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
+    saved = [[_unwrapped(str(n)) for n in g[PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
     return live != saved
 
 
@@ -905,12 +894,12 @@ def _without_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     The live optimizer's names are put back when loading.
     """
     groups = osd[PARAM_GROUPS]
-    if not any(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+    if not any(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups):
         return dict(osd)
     return {
         **osd,
         PARAM_GROUPS: [
-            {k: v for k, v in g.items() if k != _PARAM_NAMES} if isinstance(g, Mapping) else g
+            {k: v for k, v in g.items() if k != PARAM_NAMES} if isinstance(g, Mapping) else g
             for g in groups
         ],
     }
@@ -978,20 +967,21 @@ def resume_model(
     )
 
     require_mapping(loaded, "loaded")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    # what has no parameter to go to is left out: a strict load would reject it
-    pol = dataclasses.replace(pol, drop_unexpected=True)
-    opts = dataclasses.replace(options or StateDictOptions(), strict=True)
-    reference = get_model_state_dict(model, options=opts)
-    merged = merge_under(
-        loaded,
-        reference,
-        pol,
-        stacklevel=2,
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
         rename=rename,
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
+    # what has no parameter to go to is left out: a strict load would reject it
+    merge_options = dataclasses.replace(
+        merge_options, policy=dataclasses.replace(merge_options.policy, drop_unexpected=True)
+    )
+    opts = dataclasses.replace(options or StateDictOptions(), strict=True)
+    reference = get_model_state_dict(model, options=opts)
+    merged = run(loaded, reference, merge_options, stacklevel=2)
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
 
@@ -1115,7 +1105,15 @@ def load_dcp(
 
     require_mapping(state_dict, "state_dict")
     where = str(path)
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
+    )
+    pol = merge_options.policy
     view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
@@ -1140,7 +1138,7 @@ def load_dcp(
         )
     else:
         # the policy's verdict before any data is read (warnings point at our caller)
-        diff = verdict(view, expanded, pol, stacklevel=2)
+        diff = verdict(view, expanded, merge_options, stacklevel=2)
         target = copy_tree(expanded)
         if diff.mismatched:
             shape = {m.key for m in diff.mismatched if reshaped(m)}
