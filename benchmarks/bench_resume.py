@@ -86,7 +86,7 @@ SHARES = {
     "optimizer's `state_dict()`, parameters named by fqn), `Slots.reference` and, with "
     "fresh='reference', `init_state` (DSD's zero-gradient step on a throwaway copy); "
     "by hand: `get_optimizer_state_dict` (DSD's zero-gradient step on the live optimizer)",
-    "merge": "resume_optimizer: `merge_under` (diff, policy, merge of the nested dicts); "
+    "merge": "resume_optimizer: `_pipeline.run` (diff, policy, merge of the nested dicts); "
     "by hand: `dsdmerge.merge(loaded, ref)` on the flat dicts",
     "set": "loading into the optimizer. resume_optimizer: `Slots.load_dicts` (int-keyed "
     "dicts) and `Optimizer.load_state_dict`; by hand: `set_optimizer_state_dict` (its "
@@ -198,7 +198,7 @@ PROBE = Probe()
 _MODULE_PROBES = [
     ("_nested", "unflatten"),
     ("init_state", "init_state"),
-    ("merge_under", "merge"),
+    ("run", "merge"),
 ]
 _SLOTS_PROBES = [("of", "slots_of"), ("reference", "slots_reference"), ("load_dicts", "load_dicts")]
 

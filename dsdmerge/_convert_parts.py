@@ -37,6 +37,7 @@ from dsdmerge.errors import ConversionError, LayoutError, StateDictTypeError
 from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     PG_PREFIX,
     STATE,
@@ -46,7 +47,6 @@ from dsdmerge.layout import (
 from dsdmerge.rename import copy_tree, optimizer_prefixes
 
 __all__ = [
-    "PARAM_NAMES",
     "Anchor",
     "FlatNode",
     "FlatOptim",
@@ -58,7 +58,6 @@ __all__ = [
     "Tree",
 ]
 
-PARAM_NAMES = "param_names"
 Anchor = tuple[int, ...]
 """Where a converted entry goes: the position of the original entry it descends from,
 then its index among the parts it was split into (sorted as tuples)."""

@@ -17,7 +17,7 @@ Where each rule lives: key alignment in :mod:`dsdmerge._keys`, tensor checks in
 :mod:`dsdmerge._tensors`, param groups in :mod:`dsdmerge._groups` (reading torch's
 flat format with :mod:`dsdmerge._table`), nested trees and their flat keys in
 :mod:`dsdmerge._trees`, the records in :mod:`dsdmerge._records`. Policy decisions
-are made by :mod:`dsdmerge.merge` on the outcome.
+are made on the outcome by :mod:`dsdmerge._verdict`, in :mod:`dsdmerge._pipeline`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dsdmerge._flat import flat_pass
 from dsdmerge._gc import gc_paused
 from dsdmerge._nested import NestedMerge
 from dsdmerge._records import Outcome
-from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan
+from dsdmerge._tensors import scan
 from dsdmerge._trees import flatten
-from dsdmerge._values import key_str, tensor_like
+from dsdmerge._values import key_str
 from dsdmerge.errors import LayoutError
 from dsdmerge.layout import (
     PARAM_GROUPS,
@@ -101,12 +101,7 @@ def run(
         reference = flatten(reference)
         r_scan = scan(reference)
     # both are flat now; _flat checks that their keys are str, on its way through them
-    r_codes = r_scan.picked
-    if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
-        r_tt = tensor_like(r_scan.types)
-        r_codes = bytes(map(r_tt.__contains__, r_scan.kinds)) if r_tt else b""
-    else:
-        r_tt = KNOWN_TENSOR_TYPES
+    r_codes, r_tt = r_scan.tensor_codes()
     return flat_pass(
         checkpoint,
         reference,

@@ -30,9 +30,9 @@ from dsdmerge._keys import (
 )
 from dsdmerge._keys import merged as merged_dict
 from dsdmerge._records import Mismatch, Outcome, Slot
-from dsdmerge._tensors import KNOWN_TENSOR_TYPES, scan, tied
 from dsdmerge._tensors import mismatches as tensor_mismatches
-from dsdmerge._values import MISSING, tensor_like
+from dsdmerge._tensors import scan, tied
+from dsdmerge._values import MISSING
 from dsdmerge.layout import PG_PREFIX, holds_hyperparameters, in_section
 
 __all__ = ["flat_pass", "run_flat"]
@@ -244,12 +244,7 @@ def run_flat(
 ) -> Outcome:
     """:func:`flat_pass` of two flat mappings (a flat sub-dict pair of a nested walk)."""
     r_scan = scan(r)
-    r_codes = r_scan.picked
-    if r_codes is None:  # some value of an uncommon type: tensor-like by the general test
-        r_tt = tensor_like(r_scan.types)
-        r_codes = bytes(map(r_tt.__contains__, r_scan.kinds)) if r_tt else b""
-    else:
-        r_tt = KNOWN_TENSOR_TYPES
+    r_codes, r_tt = r_scan.tensor_codes()
     return flat_pass(
         c,
         r,

@@ -945,17 +945,22 @@ def _resolve_by_keys(
     detect: bool,
     conflicts: bool,
 ) -> None:
-    """Give backfilled ``param_groups.*`` keys their group's checkpoint value; settle groups.
+    """:func:`resolve` key by key, for ``param_groups.*`` keys that form no table.
 
-    A group is the reference's (when it was nested) or else the parameters whose
-    reference hyperparameters are all equal. With ``detect``, every group is looked
-    at (:func:`settle_groups`); else only backfilled keys' groups, known to agree.
+    Nothing happens when every such value of ``r`` is a tensor (a model with a module
+    named ``param_groups``, not an optimizer). ``groups`` are the reference's own (given
+    when it was nested), else inferred: the parameters whose reference
+    hyperparameters are all equal (:func:`equal_hyperparameters`). Without
+    ``detect``, only the backfilled keys get their group's checkpoint value
+    (:func:`backfill`: those groups' members are known to agree); with it, every
+    group is settled (:func:`settle_groups`; with inferred groups only moved
+    members are rewritten, and the conflicts name the groups "inferred").
     """
     r_hyper, r_keys = parse_groups(r)
     values = (v for row in r_hyper.values() for v in row.values())
     if all(map(is_tensor_like, map(type, values))):
         return  # a model's tensors under a "param_groups" segment: no optimizer
-    inferred = groups is None
+    inferred = groups is None  # True: no nested reference gave the groups
     if groups is None:
         groups = equal_hyperparameters((fqn, values.items()) for fqn, values in r_hyper.items())
     if not detect:

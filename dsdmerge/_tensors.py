@@ -56,6 +56,17 @@ class Scanned(NamedTuple):
     types: set[type]
     kinds: list[type]
 
+    def tensor_codes(self) -> tuple[bytes, frozenset[type]]:
+        """1 per tensor-like value and 0 per other, and the tensor-like types among them.
+
+        ``picked`` when every type is a common leaf type; else by the general test
+        (:func:`~dsdmerge._values.tensor_like`) over the types seen.
+        """
+        if self.picked is not None:
+            return self.picked, KNOWN_TENSOR_TYPES
+        tt = tensor_like(self.types)
+        return (bytes(map(tt.__contains__, self.kinds)) if tt else b""), tt
+
 
 def scan(sd: Mapping[Any, Any]) -> Scanned:
     """The :class:`Scanned` values of ``sd``: one C-level type pass.

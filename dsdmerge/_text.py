@@ -26,6 +26,13 @@ def short_repr(value: object) -> str:
         return f"<{type(value).__name__} object>"
 
 
+def shown_name(text: str) -> str:
+    """A name from a file, fit for a one-line message (printable, at most 120 chars)."""
+    if text.isprintable() and len(text) <= 120:
+        return text
+    return repr(text[:120]) + ("..." if len(text) > 120 else "")
+
+
 def printable(text: str) -> str:
     r"""``text`` for a terminal or a log: itself if every character prints, else its ``repr``.
 

@@ -329,19 +329,15 @@ def _summary(path: str, *, trusted: bool | list[str], key: str | None) -> _Summa
                 tensors[k] = [(name, math.prod(shape) * size)]
             return _Summary(path, fmt, "flat", metadata, tensors, list(entries))
     view = _view(path, trusted=trusted, key=key)
-    from dsdmerge.integrations.checkpoints import _metas, _nbytes
+    from dsdmerge._text import dtype_name
+    from dsdmerge.integrations.checkpoints import meta_nbytes, tensor_metas
 
     tensors = {}
     for k, value in view.items():
-        metas = list(_metas(value))
+        metas = list(tensor_metas(value))
         if metas:  # a tensor, or a list of them
-            tensors[k] = [(_dtype_name(m.dtype), _nbytes(m)) for m in metas]
+            tensors[k] = [(dtype_name(m.dtype), meta_nbytes(m)) for m in metas]
     return _Summary(view.path, view.format, view.layout.value, view.metadata, tensors, list(view))
-
-
-def _dtype_name(dtype: Any) -> str:
-    text = str(dtype)
-    return text[len("torch.") :] if text.startswith("torch.") else text
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -772,7 +768,7 @@ def _findings(err: Exception) -> list[str]:
 def _rename_advice(err: Any, text: str) -> str:
     d = getattr(err, "diff", None)
     if d is not None and d.renames:
-        from dsdmerge.merge import rename_hint
+        from dsdmerge._verdict import rename_hint
 
         text = text.replace(
             rename_hint(d.renames), f" Some look renamed: pass {_rename_options(d.renames)}."
@@ -909,10 +905,10 @@ def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
     from dsdmerge._paths import replace_part
     from dsdmerge.integrations.checkpoints import (
-        _part,
         detect_format,
         load_checkpoint,
         read_metadata,
+        state_dict_part,
     )
     from dsdmerge.report import render
 
@@ -930,7 +926,7 @@ def _merge(args: argparse.Namespace) -> int:
     with _Progress("merge", 4) as progress:
         progress.step(f"reading {args.checkpoint}")
         whole = load_checkpoint(args.checkpoint, trusted=trusted)
-        ckpt = _part(args.checkpoint, whole, ckpt_key) if ckpt_key else whole
+        ckpt = state_dict_part(args.checkpoint, whole, ckpt_key) if ckpt_key else whole
         progress.done()
         progress.step(f"reading {args.reference}")
         ref = load_checkpoint(args.reference, trusted=trusted, key=ref_key)

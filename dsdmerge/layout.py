@@ -34,6 +34,7 @@ __all__ = ["Layout", "classify", "is_optimizer_state_dict"]
 STATE = "state"
 PARAM_GROUPS = "param_groups"
 PARAMS = "params"
+PARAM_NAMES = "param_names"  # torch >= 2.6 saves each group's parameter names
 STATE_PREFIX = "state."
 PG_PREFIX = "param_groups."
 

@@ -20,12 +20,10 @@ from typing import Any
 from dsdmerge._ids import normalise_ids
 from dsdmerge._values import short_repr
 from dsdmerge.errors import LayoutError, StateDictTypeError
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, is_optimizer_state_dict
+from dsdmerge.layout import PARAM_GROUPS, PARAM_NAMES, PARAMS, STATE, is_optimizer_state_dict
 from dsdmerge.rename import copy_tree
 
 __all__ = ["rekey"]
-
-PARAM_NAMES = "param_names"
 
 
 def rekey(

@@ -49,6 +49,7 @@ from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, RenameErro
 from dsdmerge.flatten import split_param_key
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     PG_PREFIX,
     STATE,
@@ -65,7 +66,6 @@ Rules = str | Mapping[Any, str] | Sequence[str | Mapping[Any, str]]
 :func:`re.sub` semantics), a preset name from :data:`RENAME_PRESETS`, or a sequence of
 those (applied in order)."""
 
-PARAM_NAMES = "param_names"
 
 # (?<![^.]) : at the start of the fqn or right after a dot (the start of a segment)
 # PEFT's adapter segments: lora_A.default.weight in a model, lora_A.weight in its saved adapter
@@ -126,8 +126,8 @@ class Rule(NamedTuple):
         return f"{text} (preset {self.preset!r})" if self.preset else text
 
 
-def compile_rules(rules: Rules | None) -> tuple[Rule, ...]:
-    """The rules, compiled and in order; ``()`` for ``None``.
+def compile_rules(rules: Rules | Sequence[Rule] | None) -> tuple[Rule, ...]:
+    """The rules, compiled and in order; ``()`` for ``None``; compiled rules pass through.
 
     Raises:
         RenameError: A pattern that does not compile, a replacement that is not a
@@ -151,6 +151,8 @@ def compile_rules(rules: Rules | None) -> tuple[Rule, ...]:
                     "{pattern: replacement}."
                 )
             out.extend(_rule(p, r, item) for p, r in preset.items())
+        elif isinstance(item, Rule):  # compiled already
+            out.append(item)
         elif isinstance(item, Mapping):
             out.extend(_rule(p, r, None) for p, r in item.items())
         elif _is_pair(item):
@@ -248,10 +250,11 @@ def _is_id(name: str) -> bool:
 class Renamer:
     """Applies compiled rules to fqns and remembers which rules matched something."""
 
-    def __init__(self, rules: tuple[Rule, ...]) -> None:
+    def __init__(self, rules: tuple[Rule, ...], *, fast: bool = True) -> None:
         self.rules = rules
         self.hit = [False] * len(rules)
         self.example: str | None = None
+        self.fast = fast  # the fast paths for flat keys (see required_literal)
 
     def names(self, names: list[str]) -> list[str]:
         """``names`` renamed, element by element (unchanged ones are the same objects)."""
@@ -286,11 +289,15 @@ def unmatched_text(rules: Sequence[Rule], example: str | None) -> str:
 
 
 def renamed(
-    state_dict: Mapping[Any, Any], rules: tuple[Rule, ...], /
+    state_dict: Mapping[Any, Any], rules: tuple[Rule, ...], /, *, fast: bool = True
 ) -> tuple[dict[Any, Any], list[Rule], str | None]:
-    """``(renamed state dict, unmatched rules, an example fqn)``; see :func:`rename`."""
+    """``(renamed state dict, unmatched rules, an example fqn)``; see :func:`rename`.
+
+    ``fast=False``: the general path only, never the fast paths for flat keys (they
+    give the same result; tests compare the two).
+    """
     require_mapping(state_dict, "the state dict")
-    renamer = Renamer(rules)
+    renamer = Renamer(rules, fast=fast)
     if not rules:
         return _copy(state_dict), [], None
     out = _rename(state_dict, renamer)
@@ -690,7 +697,7 @@ def _rename_flat(
     flat: Mapping[str, Any], renamer: Renamer, path: str, *, has_lists: bool
 ) -> dict[str, Any]:
     keys = list(flat)
-    fast = _fast_renamed_keys(keys, renamer) if FAST_PATHS else None
+    fast = _fast_renamed_keys(keys, renamer) if renamer.fast else None
     if fast is not None:
         new_keys, prefixes = fast
     else:
@@ -807,8 +814,8 @@ def _rename_param_names(
 # flattened form, or a model alone) and the rules almost everybody writes (each a literal,
 # perhaps anchored). They give exactly what the general path gives (tests compare them), in
 # fewer passes over the keys: a rule that needs a literal only touches keys holding it, and
-# a prefix every fqn has is replaced by one str.replace per key.
-FAST_PATHS = True
+# a prefix every fqn has is replaced by one str.replace per key. Renamer(fast=False) takes
+# the general path only.
 
 _LEFT_ANCHORS = ("^", "(?<![^.])")
 _RIGHT_ANCHORS = ("$", "(?![^.])")

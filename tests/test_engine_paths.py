@@ -21,7 +21,7 @@ from semantics_check import assert_same_outcome
 
 import dsdmerge as dm
 from dsdmerge import _semantics
-from dsdmerge.merge import reshaped
+from dsdmerge._verdict import reshaped
 
 MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore", conflict="ignore")
 

@@ -29,6 +29,7 @@ from frameworks import (
     assert_same_optimizer,
     batch,
     named_state,
+    renamed,
     torch_steps,
 )
 from torchtitan.components.checkpoint import MODEL, OPTIMIZER, CheckpointManager
@@ -70,11 +71,13 @@ class ResumingCheckpointManager(CheckpointManager):
         loaded, self.dsdmerge_diff = load_dcp(checkpoint_id, states, **self.dsdmerge_options)
         self.states[MODEL].load_state_dict(loaded)  # the model's keys, read in place already
         if optimizers is not None:  # merged by fqn, and loaded into each optimizer
+            # renamed and resized by load_dcp already: what it read is keyed as the model is
+            done = ("allow_missing", "rename", "convert", "on_shape_mismatch")
             resume_optimizer(
                 self.states[MODEL].model,
                 optimizers,
                 loaded[OPTIMIZER],
-                **{k: v for k, v in self.dsdmerge_options.items() if k != "allow_missing"},
+                **{k: v for k, v in self.dsdmerge_options.items() if k not in done},
                 allow_missing=[
                     k.removeprefix(f"{OPTIMIZER}.")
                     for k in _list(self.dsdmerge_options.get("allow_missing", ()))
@@ -146,33 +149,42 @@ SCENARIOS = {
         {"policy": "strict", "allow_missing": "*a.*", "allow_unexpected": "*b.*"},
     ),
     "reorder": ({}, {"order": ("b", "a")}, {"policy": "strict"}),
+    # the surgery load_dcp does while it reads (renamed keys read under their old names,
+    # grown ones resized into the new tensors)
+    "rename": ({}, {"mid": "mid"}, {"policy": "strict", "rename": {r"(?<![^.])b\.": "mid."}}),
+    "grow_vocab": ({}, {"vocab": 24}, {"policy": "strict", "on_shape_mismatch": "resize"}),
 }
 
 
 def oracle(old, new_opts, lr_steps):
-    """Pure torch: the old state transferred by name; a parameter without checkpointed
-    state starts fresh, as in a run that never saw the checkpoint (no state: its first
-    step is torch's first step, not the ``step`` 1 and zero moments torchtitan's
-    ``init_optim_state`` gives it before a load). Then the steps, at torchtitan's
-    warmup lr."""
+    """Pure torch: the old state transferred by name (the rename scenario's rule by hand;
+    a grown tensor's leading rows, the rest as the new model and torchtitan's
+    ``init_optim_state`` have it: zero moments); a parameter without checkpointed state
+    starts fresh, as in a run that never saw the checkpoint (no state: its first step is
+    torch's first step, not the ``step`` 1 and zero moments torchtitan's
+    ``init_optim_state`` gives it before a load). Then the steps, at torchtitan's warmup
+    lr."""
     old_model, old_optim = old
+    new = renamed if new_opts.get("mid") == "mid" else str
     model = Net(**new_opts)
     with torch.no_grad():
         for k, v in old_model.items():
-            model.state_dict()[k].copy_(v)
+            model.state_dict()[new(k)][tuple(map(slice, v.shape))].copy_(v)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
     names = {id(p): n for n, p in model.named_parameters()}
     (old_group,) = old_optim["param_groups"]
     by_name = {
-        n: old_optim["state"][pid]
+        new(n): old_optim["state"][pid]
         for pid, n in zip(old_group["params"], old_group[NAMES], strict=True)
         if pid in old_optim["state"]
     }
     state = {}
     for i, p in enumerate(params):
-        if names[id(p)] in by_name:
-            state[i] = by_name[names[id(p)]]
+        got = by_name.get(names[id(p)])
+        if got is not None:
+            zeros = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            state[i] = {k: grown(v, zeros.get(k, v)) for k, v in got.items()}
     group = {k: v for k, v in old_group.items() if k != "params"}
     group[NAMES] = [names[id(p)] for p in params]
     optimizer.load_state_dict(
@@ -190,6 +202,15 @@ def oracle(old, new_opts, lr_steps):
                 named_state(model, optimizer),
             )
         )
+    return out
+
+
+def grown(old, like):
+    """``old`` in a tensor like ``like``: its leading slice, ``like``'s values elsewhere."""
+    if old.shape == like.shape:
+        return old
+    out = like.clone()
+    out[tuple(map(slice, old.shape))] = old
     return out
 
 
@@ -214,7 +235,13 @@ def test_checkpoint_manager_resumes_through_the_recipe(scenario, tmp_path, lrs):
 
     first = Run(tmp_path / "old", recipe=recipe, **new_opts)
     first.load(2)
-    assert first.manager.dsdmerge_diff.unexpected == () or scenario == "swap_frozen"
+    diff = first.manager.dsdmerge_diff
+    assert diff.unexpected == () or scenario == "swap_frozen"
+    if scenario == "grow_vocab":  # the weight and both moments, read and resized
+        assert {r.key for r in diff.resized} == {
+            "embed.weight",
+            *(f"{OPTIMIZER}.state.embed.weight.{m}" for m in ("exp_avg", "exp_avg_sq")),
+        }
     first.steps(2, 2)
     assert_same_model(first.model.state_dict(), want[0][0])
     assert_same_optimizer(first.named()[1], want[0][1])
@@ -231,7 +258,16 @@ def test_checkpoint_manager_resumes_through_the_recipe(scenario, tmp_path, lrs):
     assert_same_optimizer(again.named()[1], want[1][1])
 
 
-ALONE = {"new_head": "crash", "unfreeze": "crash", "swap_frozen": "crash", "reorder": "by name"}
+ALONE = {
+    "new_head": "crash",
+    "unfreeze": "crash",
+    "swap_frozen": "crash",
+    "reorder": "by name",
+    "rename": "crash",
+    "grow_vocab": "crash",
+}
+# what DCP raises (a CheckpointException, which is a BaseException)
+CRASH = {"grow_vocab": "Size mismatch"}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -243,7 +279,7 @@ def test_checkpoint_manager_alone(scenario, tmp_path):
     new = Run(tmp_path, **new_opts)
     if ALONE[scenario] == "crash":
         # DCP's CheckpointException is a BaseException: "Missing key in checkpoint state_dict"
-        with pytest.raises(BaseException, match="Missing key"):
+        with pytest.raises(BaseException, match=CRASH.get(scenario, "Missing key")):
             new.load(2)
         return
     new.load(2)  # fqn-keyed: another registration order is no change at all

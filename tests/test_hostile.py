@@ -20,7 +20,7 @@ from hypothesis import given
 
 import dsdmerge as dm
 from dsdmerge._values import freeze, same_value, short_repr
-from dsdmerge.merge import reshaped
+from dsdmerge._verdict import reshaped
 
 
 def deep_tuple(depth: int) -> tuple:

@@ -58,16 +58,19 @@ LAYERS = [
     "dsdmerge._convert_parts",
     "dsdmerge.convert",
     "dsdmerge.diff",
+    # one merge: the options, the verdict, the pipeline; the public functions
+    "dsdmerge._options",
+    "dsdmerge._verdict",
+    "dsdmerge._pipeline",
     "dsdmerge.merge",
     "dsdmerge.strategies",
-    # what the integrations may use of the core
-    "dsdmerge._core",
     # integrations
     "dsdmerge.integrations._files",
     "dsdmerge.integrations._dcp_metadata",
     "dsdmerge.integrations._fresh",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",
+    "dsdmerge.integrations._dcp_surgery",
     "dsdmerge.integrations.resume",
     "dsdmerge.integrations.hooks",
     "dsdmerge.integrations.lightning",
@@ -216,3 +219,23 @@ def test_the_command_lines_errors_are_dsdmerge_errors():
     with pytest.warns(DeprecationWarning, match="dsdmerge.integrations.writing.write_checkpoint"):
         old = cli.write_checkpoint
     assert old is writing.write_checkpoint
+
+
+def test_the_merge_modules_old_internal_names_warn_and_still_work():
+    import importlib
+
+    import dsdmerge as dm
+
+    merge_module = importlib.import_module("dsdmerge.merge")
+    for name in ("apply_policy", "merge_resolved", "rename_hint", "reshaped"):
+        with pytest.warns(DeprecationWarning, match=f"dsdmerge.merge.{name} is internal"):
+            getattr(merge_module, name)
+    with pytest.warns(DeprecationWarning, match="merge_resolved"):
+        merge_resolved = merge_module.merge_resolved
+    policy = dm.resolve_policy("warn")
+    with pytest.warns(dm.DSDMergeWarning, match="missing from the checkpoint"):
+        merged = merge_resolved({"a": 1}, {"a": 0, "b": 2}, policy, stacklevel=1)
+    assert merged.state_dict == {"a": 1, "b": 2}
+    assert merged.diff.missing == ("b",)
+    with pytest.raises(AttributeError):
+        merge_module.no_such_name  # noqa: B018

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dsdmerge as dm
-from dsdmerge.merge import reshaped
+from dsdmerge._verdict import reshaped
 from dsdmerge.report import format_keys
 from dsdmerge.strategies import (
     checkpoint_pairs,

@@ -76,6 +76,7 @@ from typing import Any, Final
 import torch
 
 from dsdmerge._gc import gc_paused
+from dsdmerge._text import shown_name
 from dsdmerge._torch_api import (
     TENSOR_PROPERTIES_BASE,
     storage_info_class,
@@ -558,13 +559,6 @@ def _stand_in(module: str, name: str) -> Any:
     return None
 
 
-def _shown(text: str) -> str:
-    """A name from the file, fit for a one-line message (printable, at most 120 chars)."""
-    if text.isprintable() and len(text) <= 120:
-        return text
-    return repr(text[:120]) + ("..." if len(text) > 120 else "")
-
-
 class _Trusted(_Record):
     """Base of the stand-ins for classes the caller trusted by name (one subclass each)."""
 
@@ -589,7 +583,7 @@ class _Unpickler(pickle.Unpickler):
         if found is None:
             found = self._trusted.get(f"{module}.{name}")
         if found is None:
-            raise _Refused(_shown(f"{module}.{name}"))
+            raise _Refused(shown_name(f"{module}.{name}"))
         return found
 
     def persistent_load(self, pid: Any) -> Any:
@@ -871,7 +865,7 @@ _DCP_FIELD_TYPES: Final = (("relative_path", str), ("offset", int), ("length", i
 
 
 def _name(cls: type) -> str:
-    return _shown(f"{cls.__module__}.{cls.__qualname__}")
+    return shown_name(f"{cls.__module__}.{cls.__qualname__}")
 
 
 def _check_trusted(objs: list[Any]) -> None:

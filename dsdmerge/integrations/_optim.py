@@ -50,10 +50,12 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dsdmerge._core import MISSING, most_common, respelled_state, short_repr
+from dsdmerge._groups import most_common
+from dsdmerge._ids import respelled_state
+from dsdmerge._values import MISSING, short_repr
 from dsdmerge.errors import DSDMergeError, LayoutError, StateDictTypeError
 from dsdmerge.integrations._fresh import constructor_state, fresh_states, same_state
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE
+from dsdmerge.layout import PARAM_GROUPS, PARAM_NAMES, PARAMS, STATE
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +64,6 @@ __all__: list[str] = []
 
 # attributes under which optimizer containers keep their optimizers
 _CONTAINER_ATTRS = ("optimizers", "optimizers_dict", "_optimizers")
-_PARAM_NAMES = "param_names"
 
 
 class _Placeholder:
@@ -87,7 +88,7 @@ PLACEHOLDER = _Placeholder()
 # which optimizers
 
 
-def _inner(obj: object) -> list[Any] | None:
+def inner_optimizers(obj: object) -> list[Any] | None:
     """The optimizers a container holds, or ``None`` when ``obj`` is not a container."""
     import torch
 
@@ -121,7 +122,7 @@ def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
     found: list[torch.optim.Optimizer] = []
 
     def visit(obj: object, where: str, depth: int) -> None:
-        inner = _inner(obj) if depth < 8 else None
+        inner = inner_optimizers(obj) if depth < 8 else None
         if inner is not None:
             for i, o in enumerate(inner):
                 visit(o, f"{where}[{i}]", depth + 1)
@@ -143,7 +144,7 @@ def leaf_optimizers(optimizers: object) -> tuple[torch.optim.Optimizer, ...]:
             )
         found.append(obj)
 
-    if isinstance(optimizers, torch.optim.Optimizer) or _inner(optimizers) is not None:
+    if isinstance(optimizers, torch.optim.Optimizer) or inner_optimizers(optimizers) is not None:
         visit(optimizers, "optimizers", 0)
     else:
         try:
@@ -471,9 +472,9 @@ class Slots:
             for keys, ids, saved in zip(o.keys, o.ids, o.live[PARAM_GROUPS], strict=True):
                 group = {k: v for k, v in groups[at].items() if k != PARAMS}
                 at += 1
-                group.pop(_PARAM_NAMES, None)
-                if _PARAM_NAMES in saved:
-                    group[_PARAM_NAMES] = saved[_PARAM_NAMES]
+                group.pop(PARAM_NAMES, None)
+                if PARAM_NAMES in saved:
+                    group[PARAM_NAMES] = saved[PARAM_NAMES]
                 group[PARAMS] = Members(ids)
                 o_groups.append(group)
                 for key, pid in zip(keys, ids, strict=True):

@@ -199,7 +199,7 @@ class CheckpointView(Mapping[str, Any]):
         metas = [v for v in values if type(v) is TensorMeta]  # the common case, in C
         for value in values:
             if type(value) in (list, tuple):
-                metas.extend(_metas(value))
+                metas.extend(tensor_metas(value))
         # column by column (a Python statement per tensor costs a tenth of a second at
         # DeepSeek-V3 scale): element counts, then each distinct dtype's item size once
         dtype_of = list(map(operator.attrgetter("dtype"), metas))
@@ -280,7 +280,7 @@ class CheckpointView(Mapping[str, Any]):
         )
 
 
-def _metas(value: Any) -> Iterator[TensorMeta]:
+def tensor_metas(value: Any) -> Iterator[TensorMeta]:
     """The TensorMetas in ``value`` and in the lists and tuples it holds, at any depth.
 
     Iterative and cycle-safe: a crafted torch file can hold a 50,000-deep or cyclic list.
@@ -301,10 +301,9 @@ def _itemsize(dtype: Any) -> int:
     return int(itemsize) if isinstance(itemsize, int) else 0
 
 
-def _nbytes(meta: TensorMeta) -> int:
-    numel = 1
-    for n in meta.shape:
-        numel *= n
+def meta_nbytes(meta: TensorMeta) -> int:
+    """The bytes a tensor of this shape and dtype takes (0 for a dtype without an itemsize)."""
+    numel = math.prod(meta.shape)
     itemsize = getattr(meta.dtype, "itemsize", None)
     return numel * itemsize if isinstance(itemsize, int) else 0
 
@@ -527,10 +526,11 @@ def load_checkpoint(
             loaded = _hf_load(where)
         else:
             loaded = _safetensors_load(where)
-        return loaded if key is None else _part(where, loaded, key)
+        return loaded if key is None else state_dict_part(where, loaded, key)
 
 
-def _part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
+def state_dict_part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
+    """The state dict at key path ``key`` of ``loaded`` (``where`` names the file in errors)."""
     part = part_of(loaded, key)
     if not isinstance(part, dict):
         raise LayoutError(
@@ -662,11 +662,11 @@ def _torch_error(
         if not unsafe:
             found = re.search(r"GLOBAL (\S+)", text)
             unsafe = [found.group(1)] if found else []
-        from dsdmerge.integrations._dcp_metadata import _shown
+        from dsdmerge._text import shown_name
 
         what = (
             f"needs {len(unsafe)} global(s) outside torch's weights_only allow-list: "
-            f"{', '.join(map(_shown, unsafe[:20]))}{' ...' if len(unsafe) > 20 else ''}"
+            f"{', '.join(map(shown_name, unsafe[:20]))}{' ...' if len(unsafe) > 20 else ''}"
             if unsafe
             else "holds something outside torch's weights_only allow-list"
         )
@@ -741,7 +741,7 @@ def _torch_entries(
             f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
         )
     if key is not None:
-        loaded = _part(where, loaded, key)
+        loaded = state_dict_part(where, loaded, key)
     entries = {key: _to_meta(value) for key, value in flatten(loaded).items()}
     return entries, classify(loaded)
 
@@ -1410,7 +1410,7 @@ def _check_claimed_bytes(where: str, metadata: Any) -> None:
     claimed = 0
     for md in metadata.state_dict_metadata.values():
         if isinstance(md, TensorStorageMetadata):
-            claimed += _nbytes(TensorMeta(tuple(md.size), md.properties.dtype))
+            claimed += meta_nbytes(TensorMeta(tuple(md.size), md.properties.dtype))
     if not claimed:
         return
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}

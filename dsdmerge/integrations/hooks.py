@@ -34,13 +34,13 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dsdmerge._core import merge_under
+from dsdmerge._options import Fresh, MergeOptions
+from dsdmerge._pipeline import run
 from dsdmerge.errors import LayoutError, StateDictTypeError
 from dsdmerge.integrations._optim import param_fqns
-from dsdmerge.integrations.resume import _plan
-from dsdmerge.layout import PARAM_GROUPS, PARAMS, STATE, require_mapping
-from dsdmerge.merge import Fresh
-from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName, resolve_policy
+from dsdmerge.integrations.resume import plan_resume
+from dsdmerge.layout import PARAM_GROUPS, PARAM_NAMES, PARAMS, STATE, require_mapping
+from dsdmerge.policy import Policy, PolicyName
 from dsdmerge.rekey import rekey
 from dsdmerge.resize import OnShapeMismatch
 
@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("dsdmerge")
-_PARAM_NAMES = "param_names"
 # attributes under which optimizer wrappers keep the torch optimizer they wrap:
 # accelerate's AcceleratedOptimizer (.optimizer), Lightning's LightningOptimizer (._optimizer)
 _WRAPPED = ("optimizer", "_optimizer")
@@ -153,7 +152,7 @@ class _RecordNames:
         groups = state_dict.get(PARAM_GROUPS)
         if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
             return None
-        if all(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+        if all(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups):
             return None  # torch wrote them (an optimizer built from named parameters)
         names = _names_of(optimizer, self.fqn_of)
         if None in names:  # the model changed after registration: look again, once
@@ -170,10 +169,10 @@ class _RecordNames:
             )
         out = []
         for group, found in zip(groups, names, strict=True):
-            if found is None or not isinstance(group, Mapping) or _PARAM_NAMES in group:
+            if found is None or not isinstance(group, Mapping) or PARAM_NAMES in group:
                 out.append(group)
             else:
-                out.append({**group, _PARAM_NAMES: found})
+                out.append({**group, PARAM_NAMES: found})
         return {**state_dict, PARAM_GROUPS: out}
 
 
@@ -250,10 +249,7 @@ def _registered(handle: RemovableHandle) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    policy: Policy
-    rename: Rules | None
-    on_shape_mismatch: OnShapeMismatch
-    fresh: Fresh
+    merge: MergeOptions
     names: tuple[str, ...] | None
     by_position: bool
 
@@ -319,18 +315,7 @@ class LoadHook:
             return None  # the optimizer's own empty state, reloaded (accelerate's prepare())
         opts = self._options
         keyed = _by_name(state_dict, opts, optimizer)
-        plan = _plan(
-            self.model,
-            optimizer,
-            keyed,
-            opts.policy,
-            (),
-            (),
-            opts.fresh,
-            stacklevel=6,
-            rename=opts.rename,
-            on_shape_mismatch=opts.on_shape_mismatch,
-        )
+        plan = plan_resume(self.model, optimizer, keyed, opts.merge, stacklevel=6)
         (loadable,) = plan.dicts
         # the state of a parameter the optimizer no longer holds (reported as unexpected)
         # stays out: torch would keep it under its fqn in optimizer.state and save it forever.
@@ -341,8 +326,8 @@ class LoadHook:
         }
         # param_names the live optimizer does not hold stay out (torch would store them)
         for group, live in zip(loadable[PARAM_GROUPS], optimizer.param_groups, strict=True):
-            if _PARAM_NAMES not in live:
-                group.pop(_PARAM_NAMES, None)
+            if PARAM_NAMES not in live:
+                group.pop(PARAM_NAMES, None)
         with self._lock:
             self.diff = plan.diff
             self.loads += 1
@@ -434,7 +419,14 @@ def install_load_hook(
         >>> hook.remove()
     """
     opt = _torch_optimizer(optimizer)
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
+    )
     fqn_of = param_fqns(model)
     where = _foreign(opt, fqn_of)
     if where is not None:
@@ -442,10 +434,8 @@ def install_load_hook(
             f"install_load_hook: {where} of {type(opt).__name__} is not a parameter of the "
             "model passed in; pass the model the optimizer optimizes"
         )
-    if fresh not in ("as_fresh", "reference"):
-        raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
     listed = None if names is None else tuple(_plain_names(names))
-    options = _Options(pol, rename, on_shape_mismatch, fresh, listed, bool(by_position))
+    options = _Options(merge_options, listed, bool(by_position))
     return LoadHook(opt, model, options)
 
 
@@ -476,9 +466,9 @@ def _int_keyed(sd: Mapping[Any, Any]) -> bool:
 def _has_names(sd: Mapping[Any, Any]) -> bool:
     groups = _groups(sd)
     return bool(groups) and all(
-        isinstance(g.get(_PARAM_NAMES), (list, tuple))
+        isinstance(g.get(PARAM_NAMES), (list, tuple))
         and isinstance(g.get(PARAMS), (list, tuple))
-        and len(g[_PARAM_NAMES]) == len(g[PARAMS])
+        and len(g[PARAM_NAMES]) == len(g[PARAMS])
         for g in groups
     )
 
@@ -497,11 +487,7 @@ def _own_empty(optimizer: torch.optim.Optimizer, sd: Mapping[Any, Any]) -> bool:
         ids = group.get(PARAMS)
         if not isinstance(ids, (list, tuple)) or list(ids) != list(range(at, at + n)):
             return False
-        if (
-            _PARAM_NAMES in group
-            and _PARAM_NAMES in live
-            and group[_PARAM_NAMES] != live[_PARAM_NAMES]
-        ):
+        if PARAM_NAMES in group and PARAM_NAMES in live and group[PARAM_NAMES] != live[PARAM_NAMES]:
             return False
         at += n
     return True
@@ -564,13 +550,12 @@ class ModelLoadHook:
         loads: How many state dicts it merged.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, rename: Any, resize: Any) -> None:
+    def __init__(self, model: torch.nn.Module, options: MergeOptions) -> None:
         self.model = model
         self.diff: KeyDiff | None = None
         self.loads = 0
-        self._policy = dataclasses.replace(policy, drop_unexpected=True)
-        self._rename = rename
-        self._on_shape_mismatch = resize
+        policy = dataclasses.replace(options.policy, drop_unexpected=True)
+        self._options = dataclasses.replace(options, policy=policy)
         self._lock = threading.Lock()
         self._handle = _register_module_pre_hook(model, self)
 
@@ -606,14 +591,7 @@ class ModelLoadHook:
         # whatever the hook leaves in it: the merged entries replace this module's keys
         mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         reference = module.state_dict()
-        merged = merge_under(
-            mine,
-            reference,
-            self._policy,
-            stacklevel=6,
-            rename=self._rename,
-            on_shape_mismatch=self._on_shape_mismatch,
-        )
+        merged = run(mine, reference, self._options, stacklevel=6)
         for key in [k for k in state_dict if k.startswith(prefix)]:
             del state_dict[key]
         state_dict.update((prefix + k, v) for k, v in merged.state_dict.items())
@@ -691,5 +669,11 @@ def install_model_load_hook(
 
     if not isinstance(model, torch.nn.Module):
         raise StateDictTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    return ModelLoadHook(model, pol, rename, on_shape_mismatch)
+    options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        on_shape_mismatch=on_shape_mismatch,
+    )
+    return ModelLoadHook(model, options)

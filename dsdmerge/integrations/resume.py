@@ -74,30 +74,28 @@ import dataclasses
 import itertools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from dsdmerge._core import (
-    copy_tree,
-    merge_under,
-    normalise_ids,
-    reshaped,
-    respelled_state,
-    short_repr,
-    verdict,
-)
+from dsdmerge._ids import normalise_ids, respelled_state
+from dsdmerge._options import Fresh, MergeOptions
+from dsdmerge._pipeline import run, verdict
+from dsdmerge._trees import copy_tree
+from dsdmerge._values import short_repr
+from dsdmerge._verdict import reshaped
 from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
+from dsdmerge.integrations._dcp_surgery import load_changed
 from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
     Expected,
     Mismatched,
     Slots,
-    _inner,
     expected_state,
     field_mismatches,
     init_state,
+    inner_optimizers,
     leaf_optimizers,
     made_with_the_optimizer,
     param_fqns,
@@ -106,6 +104,7 @@ from dsdmerge.integrations._optim import (
 from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
 from dsdmerge.layout import (
     PARAM_GROUPS,
+    PARAM_NAMES,
     PARAMS,
     STATE,
     Layout,
@@ -113,8 +112,7 @@ from dsdmerge.layout import (
     is_optimizer_state_dict,
     require_mapping,
 )
-from dsdmerge.merge import Fresh
-from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName, resolve_policy
+from dsdmerge.policy import InvalidPolicyError, Policy, PolicyName
 from dsdmerge.rekey import rekey
 from dsdmerge.rename import rename as dm_rename
 from dsdmerge.resize import OnShapeMismatch
@@ -136,9 +134,6 @@ __all__ = [
     "resume_model",
     "resume_optimizer",
 ]
-
-_FRESH: tuple[Fresh, ...] = ("reference", "as_fresh")
-_PARAM_NAMES = "param_names"
 
 
 def resume_optimizer(
@@ -229,19 +224,16 @@ def resume_optimizer(
         >>> optim.param_groups[0]["lr"]
         0.5
     """
-    plan = _plan(
-        model,
-        optimizers,
-        loaded,
+    merge_options = MergeOptions.of(
         policy,
-        allow_missing,
-        allow_unexpected,
-        fresh,
-        stacklevel=3,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
         rename=rename,
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
     )
+    plan = plan_resume(model, optimizers, loaded, merge_options, stacklevel=3)
     _load(plan, model, options)
     return plan.diff
 
@@ -317,7 +309,16 @@ def backfill_optimizer_state(
         >>> optim.param_groups[0]["lr"], sorted(optim.state_dict()["state"])
         (0.5, [0])
     """
-    container = _inner(optimizer) is not None
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
+        fresh=fresh,
+    )
+    container = inner_optimizers(optimizer) is not None
     if container and fresh == "as_fresh":
         raise InvalidPolicyError(
             f"{type(optimizer).__name__} loads through DSD's flattened set_optimizer_state_dict, "
@@ -325,19 +326,7 @@ def backfill_optimizer_state(
             "that way: pass fresh='reference' (DSD's zero-gradient state), or load with "
             "resume_optimizer(model, optimizer, loaded), which starts them fresh."
         )
-    plan = _plan(
-        model,
-        optimizer,
-        loaded,
-        policy,
-        allow_missing,
-        allow_unexpected,
-        fresh,
-        stacklevel=3,
-        rename=rename,
-        convert=convert,
-        on_shape_mismatch=on_shape_mismatch,
-    )
+    plan = plan_resume(model, optimizer, loaded, merge_options, stacklevel=3)
     if container:
         return flatten(_fqn_keyed(plan))
     if len(plan.dicts) != 1:
@@ -359,27 +348,24 @@ class _Plan:
     diff: KeyDiff
 
 
-def _plan(
+def plan_resume(
     model: Any,
     optimizers: Any,
     loaded: Mapping[Any, Any],
-    policy: PolicyName | Policy,
-    allow_missing: str | Iterable[str],
-    allow_unexpected: str | Iterable[str],
-    fresh: str,
+    options: MergeOptions,
     *,
-    stacklevel: int,  # as for warnings.warn, counted from here (1: _plan)
-    rename: Rules | None = None,
-    convert: Conversions | None = None,
-    on_shape_mismatch: OnShapeMismatch = "raise",
+    stacklevel: int,  # as for warnings.warn, counted from here (1: plan_resume)
 ) -> _Plan:
+    """Everything a resume decides before anything changes: the state dicts to load.
+
+    Raises as the resume helpers say (nothing changed).
+    """
     require_mapping(loaded, "loaded")
-    if fresh not in _FRESH:
-        raise InvalidPolicyError(f"fresh must be 'as_fresh' or 'reference', got {fresh!r}")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    rename, convert = options.rename, options.convert
+    on_shape_mismatch, fresh = options.on_shape_mismatch, options.fresh
     # what the reference lacks is the state of parameters no longer optimized (every field of a
     # parameter that is, and the optimizer-level entries, are in it): left out, and reported
-    pol = dataclasses.replace(pol, drop_unexpected=True)
+    pol = dataclasses.replace(options.policy, drop_unexpected=True)
     opts = leaf_optimizers(optimizers)
     checkpoint = _nested(loaded)
     if (
@@ -397,7 +383,9 @@ def _plan(
                 "param_names: key it by the old model's names first, with "
                 "dsdmerge.rekey(loaded, old_model.named_parameters())"
             )
-        checkpoint = dm_rename(checkpoint, rename, unmatched=pol.unmatched_rename)
+        # compiled rules are rules too (compile_rules passes them through)
+        rules = cast("Rules", rename)
+        checkpoint = dm_rename(checkpoint, rules, unmatched=pol.unmatched_rename)
     if convert is not None:
         checkpoint = convert_checkpoint(checkpoint, convert, stacklevel=stacklevel + 1)
     keyed = "id" if _id_keyed(checkpoint) else "fqn"
@@ -464,9 +452,11 @@ def _plan(
         _refuse_misaligned(c_state, slots, known, on_shape_mismatch)
     overlays = _overlays(c_state, expected, known, pol, on_shape_mismatch)
     reference = _without_param_names(slots.reference(checkpoint, init=init, overlays=overlays))
-    merged = merge_under(
-        checkpoint, reference, pol, stacklevel=stacklevel, on_shape_mismatch=on_shape_mismatch
+    # renamed and converted above; the fresh state is left out below
+    merge_options = dataclasses.replace(
+        options, policy=pol, rename=None, convert=None, fresh="reference"
     )
+    merged = run(checkpoint, reference, merge_options, stacklevel=stacklevel)
     keep: set[Any] | None = None
     state = merged.state_dict
     if fresh == "as_fresh":
@@ -771,7 +761,7 @@ def _fqn_keyed(plan: _Plan) -> dict[Any, Any]:
     groups: list[Any] = []
     for sd in _fqn_keyed_each(plan):
         state.update(sd[STATE])
-        groups.extend({k: v for k, v in g.items() if k != _PARAM_NAMES} for g in sd[PARAM_GROUPS])
+        groups.extend({k: v for k, v in g.items() if k != PARAM_NAMES} for g in sd[PARAM_GROUPS])
     return {STATE: state, PARAM_GROUPS: groups}
 
 
@@ -826,8 +816,8 @@ def _has_param_names(osd: Mapping[Any, Any]) -> bool:
     """Whether every param group carries torch's ``param_names`` (torch >= 2.5), one per param."""
     groups = [g for g in osd[PARAM_GROUPS] if isinstance(g, Mapping)]
     return bool(groups) and all(
-        isinstance(g.get(_PARAM_NAMES), (list, tuple))
-        and len(g[_PARAM_NAMES]) == len(g.get(PARAMS, ()))
+        isinstance(g.get(PARAM_NAMES), (list, tuple))
+        and len(g[PARAM_NAMES]) == len(g.get(PARAMS, ()))
         for g in groups
     )
 
@@ -845,7 +835,7 @@ def _names_moved(osd: Mapping[Any, Any], opts: Sequence[Any], model: Any) -> boo
         return False
     fqn_of = param_fqns(model)
     live = [[_unwrapped(fqn_of.get(id(p), "")) for p in g[PARAMS]] for g in opts[0].param_groups]
-    saved = [[_unwrapped(str(n)) for n in g[_PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
+    saved = [[_unwrapped(str(n)) for n in g[PARAM_NAMES]] for g in osd[PARAM_GROUPS]]
     return live != saved
 
 
@@ -904,12 +894,12 @@ def _without_param_names(osd: Mapping[Any, Any]) -> dict[Any, Any]:
     The live optimizer's names are put back when loading.
     """
     groups = osd[PARAM_GROUPS]
-    if not any(isinstance(g, Mapping) and _PARAM_NAMES in g for g in groups):
+    if not any(isinstance(g, Mapping) and PARAM_NAMES in g for g in groups):
         return dict(osd)
     return {
         **osd,
         PARAM_GROUPS: [
-            {k: v for k, v in g.items() if k != _PARAM_NAMES} if isinstance(g, Mapping) else g
+            {k: v for k, v in g.items() if k != PARAM_NAMES} if isinstance(g, Mapping) else g
             for g in groups
         ],
     }
@@ -977,20 +967,21 @@ def resume_model(
     )
 
     require_mapping(loaded, "loaded")
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    # what has no parameter to go to is left out: a strict load would reject it
-    pol = dataclasses.replace(pol, drop_unexpected=True)
-    opts = dataclasses.replace(options or StateDictOptions(), strict=True)
-    reference = get_model_state_dict(model, options=opts)
-    merged = merge_under(
-        loaded,
-        reference,
-        pol,
-        stacklevel=2,
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
         rename=rename,
         convert=convert,
         on_shape_mismatch=on_shape_mismatch,
     )
+    # what has no parameter to go to is left out: a strict load would reject it
+    merge_options = dataclasses.replace(
+        merge_options, policy=dataclasses.replace(merge_options.policy, drop_unexpected=True)
+    )
+    opts = dataclasses.replace(options or StateDictOptions(), strict=True)
+    reference = get_model_state_dict(model, options=opts)
+    merged = run(loaded, reference, merge_options, stacklevel=2)
     set_model_state_dict(model, merged.state_dict, options=opts)
     return merged.diff
 
@@ -1020,8 +1011,11 @@ def load_dcp(
     trusted: Trust = False,
     process_group: Any = None,
     storage_reader: Any = None,
+    rename: Rules | None = None,
+    convert: Conversions | None = None,
+    on_shape_mismatch: OnShapeMismatch = "raise",
 ) -> DCPLoad:
-    """Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
+    r"""Load a DCP checkpoint into ``state_dict``'s tensors, after checking it under a policy.
 
     1. Reads the checkpoint's ``.metadata`` only (safely, see
        :func:`~dsdmerge.integrations.read_metadata`) and applies the policy to
@@ -1040,6 +1034,16 @@ def load_dcp(
     ``torch.distributed`` is initialised (every rank calls it), like ``dcp.load``.
     Then hand the parts of the result to :func:`resume_model` and
     :func:`resume_optimizer`, which backfill what is missing.
+
+    With ``rename=``, ``convert=`` or ``on_shape_mismatch="resize"``, the metadata is
+    renamed and converted first (as :func:`dsdmerge.check` does it) and the policy
+    decides on that. Keys that load unchanged are read in place as above; renamed,
+    converted and resized ones are read under their old names into new buffers,
+    converted, and copied into ``state_dict``'s tensors (a resized one: the
+    overlapping slice, the rest keeps its values; listed in ``diff.resized``). Keys
+    that end up unexpected are never read, and a refused call reads nothing and
+    changes nothing. These keys must be plain tensors (not DTensors) stored under
+    their flat name (a model, or a flattened optimizer state dict).
 
     Values that are ``Stateful`` (anything with ``state_dict()`` and
     ``load_state_dict()``: a trainer's model, optimizer, lr-scheduler or
@@ -1065,6 +1069,12 @@ def load_dcp(
         storage_reader: A DCP ``StorageReader`` that reads the data (a directory
             another storage writer wrote, e.g. OLMo-core's); ``.metadata`` is still
             read safely (see :func:`~dsdmerge.integrations.load_checkpoint`).
+        rename: Rename rules applied to the checkpoint's keys first (see
+            :func:`dsdmerge.rename`), e.g. ``{r"^layers\.": "blocks."}``.
+        convert: Layout conversions applied next (see :func:`dsdmerge.convert`).
+        on_shape_mismatch: ``"raise"`` (as the policy says), ``"take_reference"``
+            (keep ``state_dict``'s tensor, read nothing) or ``"resize"`` (a grown
+            vocabulary keeps its trained rows and moments).
 
     Returns:
         ``DCPLoad(state_dict, diff)``: the values read, in ``state_dict``'s
@@ -1072,6 +1082,9 @@ def load_dcp(
 
     Raises:
         MergeError: The policy rejects a difference (nothing was read).
+        LayoutError: A renamed, converted or resized key is not stored under its
+            flat name (nothing was read).
+        StateDictTypeError: One goes into a tensor that is not a plain tensor.
         CheckpointReadError: The checkpoint cannot be read.
         UnsafeCheckpointError: Its metadata or a bytes entry would run code.
 
@@ -1092,31 +1105,56 @@ def load_dcp(
 
     require_mapping(state_dict, "state_dict")
     where = str(path)
-    pol = resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    merge_options = MergeOptions.of(
+        policy,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        rename=rename,
+        convert=convert,
+        on_shape_mismatch=on_shape_mismatch,
+    )
+    pol = merge_options.policy
     view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
     expanded = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
-    # the policy's verdict before any data is read (warnings point at our caller)
-    diff = verdict(view, expanded, pol, stacklevel=2)
-    target = copy_tree(expanded)
-    if diff.mismatched:
-        shape = {m.key for m in diff.mismatched if reshaped(m)}
-        _prune_tensors(target, expanded, shape)
     no_dist = not (dist.is_available() and dist.is_initialized())
-    skipped = run_dcp_load(
-        where,
-        target,
-        metadata,
-        trusted=trusted,
-        allow_partial_load=bool(diff.missing),
-        no_dist=no_dist,
-        process_group=process_group,
-        storage_reader=storage_reader,
-    )
-    for path_ in skipped:
-        _prune(target, path_)
+    if rename is not None or convert is not None or on_shape_mismatch != "raise":
+        target, diff = load_changed(
+            where,
+            view,
+            metadata,
+            expanded,
+            pol,
+            rename=rename,
+            convert=convert,
+            on_shape_mismatch=on_shape_mismatch,
+            trusted=trusted,
+            no_dist=no_dist,
+            process_group=process_group,
+            storage_reader=storage_reader,
+            stacklevel=3,
+        )
+    else:
+        # the policy's verdict before any data is read (warnings point at our caller)
+        diff = verdict(view, expanded, merge_options, stacklevel=2)
+        target = copy_tree(expanded)
+        if diff.mismatched:
+            shape = {m.key for m in diff.mismatched if reshaped(m)}
+            _prune_tensors(target, expanded, shape)
+        skipped = run_dcp_load(
+            where,
+            target,
+            metadata,
+            trusted=trusted,
+            allow_partial_load=bool(diff.missing),
+            no_dist=no_dist,
+            process_group=process_group,
+            storage_reader=storage_reader,
+        )
+        for path_ in skipped:
+            _prune(target, path_)
     _fold_spellings(target)
     for key, obj in stateful.items():
         # what was not read keeps its current value, as in dcp.load's partial load
