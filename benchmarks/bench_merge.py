@@ -3,7 +3,7 @@
     python benchmarks/bench_merge.py            # 10^3..10^6 synthetic keys + DeepSeek-V3 scale
     python benchmarks/bench_merge.py --huge     # also 10^7 synthetic keys (~10 GB RAM, minutes)
     python benchmarks/bench_merge.py --quick    # CI smoke run: small sizes, well under a minute
-    python benchmarks/bench_merge.py --huge --readme   # rewrite the README's results section
+    python benchmarks/bench_merge.py --huge --docs     # rewrite docs/benchmarks.md's results
 
 Every baseline runs in the same process on the same data, interleaved with dsdmerge (one run
 of every case per round, medians over the rounds), so the ratios are fair even on a noisy
@@ -345,7 +345,7 @@ def _ratio(a: str, b: str) -> Callable[[dict[str, float]], float]:
 
 
 TARGETS = [
-    # (name, value function, comparison, bound, what); issue 14's table first
+    # (name, value function, comparison, bound, what); the policy and resume rows first
     ("merge strict / floor", _ratio("merge strict", "floor"), "<=", 1.6, "strict policy"),
     ("merge warn / floor", _ratio("merge warn", "floor"), "<=", 1.6, "warn policy"),
     ("check strict / floor", _ratio("check strict", "floor"), "<=", 1.6, "check, strict"),
@@ -355,7 +355,7 @@ TARGETS = [
         _ratio("merge (a new parameter)", "floor"),
         "<=",
         1.4,
-        "merge that backfills a new parameter's hyperparameters (not an issue's target)",
+        "merge that backfills a new parameter's hyperparameters",
     ),
     ("diff / floor", _ratio("diff", "floor"), "<=", 1.4, "diff"),
     ("nested merge / floor", _ratio("nested merge", "floor"), "<=", 1.05, "nested merge"),
@@ -376,7 +376,7 @@ TARGETS = [
         "<=",
         40.0,
         "diff of a DDP checkpoint: every key unexpected, the rename found and checked key by key "
-        "(linear; about 240x before, when it was quadratic in the fqns)",
+        "(linear in the keys)",
     ),
 ]
 
@@ -518,7 +518,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str:
     return f"plot written to {path}"
 
 
-def update_readme(path: Path, text: str) -> None:
+def update_page(path: Path, text: str) -> None:
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     readme = path.read_text()
     if start not in readme:
@@ -542,8 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case (default 7, quick 3)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
     ap.add_argument("--json", type=Path, help="write all results as JSON here")
-    ap.add_argument("--plot", type=Path, help="scaling plot PNG (default benchmarks/scaling.png)")
-    ap.add_argument("--readme", action="store_true", help="rewrite README.md's Benchmarks table")
+    ap.add_argument("--plot", type=Path, help="scaling plot PNG (default docs/assets/scaling.png)")
+    ap.add_argument(
+        "--docs", action="store_true", help="rewrite the results table of docs/benchmarks.md"
+    )
     ap.add_argument(
         "--no-resume", action="store_true", help="skip the end-to-end resume (bench_resume.py)"
     )
@@ -596,12 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     if args.plot or not args.quick:
-        print(plot(result["scaling"], args.plot or HERE / "scaling.png"))
+        print(plot(result["scaling"], args.plot or HERE.parent / "docs" / "assets" / "scaling.png"))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
-    if args.readme:
-        update_readme(HERE.parent / "README.md", text)
-        print("README.md updated")
+    if args.docs:
+        update_page(HERE.parent / "docs" / "benchmarks.md", text)
+        print("docs/benchmarks.md updated")
     if args.quick:  # the safe .metadata reader's smoke run too (full run: bench_read.py)
         import bench_read
 

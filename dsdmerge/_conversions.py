@@ -117,7 +117,7 @@ class Fuse:
         ConversionError: A template that does not parse, fewer than two sources, a
             source listed twice, placeholders that differ, or a ``dim`` that is not an int.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> rule = dm.Fuse(["{L}.q", "{L}.k"], "{L}.qk")
         >>> out = dm.convert({"0.q": torch.zeros(2, 3), "0.k": torch.ones(1, 3)}, [rule])
@@ -168,7 +168,7 @@ class Split:
         ConversionError: A bad template, fewer than two targets, placeholders that
             differ, or ``sizes`` that are not one positive int per target.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> rule = dm.Split("qk", ["q", "k"], sizes=[2, 1])
         >>> {k: tuple(v.shape) for k, v in dm.convert({"qk": torch.zeros(3, 4)}, [rule]).items()}
@@ -238,7 +238,7 @@ class Stack:
         ConversionError: A bad template, ``over`` not a one-segment placeholder of the
             source or also one of the target, or other placeholders that differ.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> sd = {f"experts.{e}.w": torch.zeros(2, 3) for e in range(4)}
         >>> out = dm.convert(sd, [dm.Stack("experts.{E}.w", "experts.w", over="E")])
@@ -290,7 +290,7 @@ class Unstack:
     Raises:
         ConversionError: As for :class:`Stack`, with the two templates' roles swapped.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> rule = dm.Unstack("experts.w", "experts.{E}.w", over="E")
         >>> sorted(dm.convert({"experts.w": torch.zeros(2, 3)}, [rule]))
@@ -338,7 +338,7 @@ class Transpose:
     Raises:
         ConversionError: A bad template, or ``dims`` that are not two distinct ints.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> out = dm.convert({"w": torch.zeros(2, 3)}, [dm.Transpose("w", dims=(0, 1))])
         >>> tuple(out["w"].shape)

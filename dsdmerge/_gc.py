@@ -67,7 +67,7 @@ def gc_paused() -> Iterator[None]:
     Changes no setting of anyone else's (see the module docstring): not
     ``gc.isenabled()``, and thresholds set by others while it runs are kept.
 
-    Example:
+    Examples:
         >>> import gc
         >>> from dsdmerge._gc import gc_paused
         >>> before = gc.get_threshold()

@@ -57,7 +57,7 @@ def normalise_ids(tree: Mapping[Any, Any], /, *, what: str = "the state dict") -
     Raises:
         LayoutError: A ``state`` holds an int id and its string spelling both.
 
-    Example:
+    Examples:
         >>> from dsdmerge._ids import normalise_ids
         >>> osd = {"state": {"0": {"step": 3}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
         >>> normalise_ids(osd)["state"]
@@ -78,7 +78,7 @@ def one_spelling(
     Raises:
         LayoutError: A ``state`` holds an int id and its string spelling both.
 
-    Example:
+    Examples:
         >>> from dsdmerge._ids import one_spelling
         >>> ref = {"state": {0: {0: {"step": 1}}}, "param_groups": [{"params": [0]}]}
         >>> ckpt = {"state": {"0": {"0": {"step": 5}}}, "param_groups": [{"params": [0]}]}

@@ -59,7 +59,7 @@ def select(tree: Mapping[Any, Any], path: str, /) -> Any:
     Raises:
         LayoutError: Nothing is at ``path`` (the message lists the keys there are).
 
-    Example:
+    Examples:
         >>> from dsdmerge._paths import select
         >>> select({"model": {"w": 1}, "optim": {"state": {}}}, "model")
         {'w': 1}
@@ -94,7 +94,7 @@ def select_flat(flat: Mapping[str, Any], path: str, /) -> dict[str, Any]:
     Raises:
         LayoutError: No key starts with ``path.`` (``path`` may be a value's own key).
 
-    Example:
+    Examples:
         >>> from dsdmerge._paths import select_flat
         >>> select_flat({"model.w": 1, "model.b": 2, "step": 3}, "model")
         {'w': 1, 'b': 2}
@@ -112,7 +112,7 @@ def select_flat(flat: Mapping[str, Any], path: str, /) -> dict[str, Any]:
 def part_of(tree: Mapping[Any, Any], path: str, /) -> Any:
     """:func:`select` where the path is nested in ``tree``, else :func:`select_flat`.
 
-    Example:
+    Examples:
         >>> from dsdmerge._paths import part_of
         >>> part_of({"model": {"w": 1}}, "model"), part_of({"model.w": 1}, "model")
         ({'w': 1}, {'w': 1})
@@ -133,7 +133,7 @@ def replace_part(tree: Mapping[Any, Any], path: str, part: Any, /) -> dict[Any, 
     keys under ``path`` are replaced by ``part``'s keys, prefixed, where the first of
     them was. Does not modify its inputs.
 
-    Example:
+    Examples:
         >>> from dsdmerge._paths import replace_part
         >>> replace_part({"model": {"w": 1}, "step": 3}, "model", {"w": 1, "b": 0})
         {'model': {'w': 1, 'b': 0}, 'step': 3}

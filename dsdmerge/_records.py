@@ -55,7 +55,7 @@ class TensorMeta:
         shape: The global shape, a tuple of ints.
         dtype: The dtype, usually a ``torch.dtype``.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> dm.TensorMeta.of(torch.zeros(2, 3))
         TensorMeta(shape=(2, 3), dtype=torch.float32)
@@ -94,7 +94,7 @@ class Mismatch:
         checkpoint: Shape and dtype in the checkpoint.
         reference: Shape and dtype in the reference.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> m = dm.diff({"w": torch.zeros(2)}, {"w": torch.zeros(3)}).mismatched[0]
         >>> m.key, m.shape_differs, m.dtype_differs
@@ -136,7 +136,7 @@ class Changed:
         checkpoint: The checkpoint's value.
         reference: The reference's value.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.diff({"lr": 5e-5}, {"lr": 1e-3}, values=True).changed
         (Changed(key='lr', checkpoint=5e-05, reference=0.001),)
@@ -182,7 +182,7 @@ class SuggestedRename:
         example: One ``(checkpoint fqn, reference fqn)`` pair.
         preset: The :data:`~dsdmerge.RENAME_PRESETS` name whose rule this is, if any.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> ckpt = {f"l.{i}.attn.wq.weight": torch.zeros(2) for i in range(3)}
         >>> ref = {f"l.{i}.attn.q_proj.weight": torch.zeros(2) for i in range(3)}
@@ -223,7 +223,7 @@ class Resized:
         checkpoint: Shape and dtype of the checkpoint's tensor.
         reference: Shape and dtype of the reference's tensor (the result's).
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> r = dm.Resized.of("embed.weight", torch.zeros(10, 4), torch.zeros(12, 4))
         >>> r.dims, r.kept, r.from_reference
@@ -326,7 +326,7 @@ class KeyDiff:
     ``bool(diff)`` is ``False`` iff missing, unexpected, mismatched and changed
     are all empty; ``str(diff)`` is a readable report.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> d = dm.KeyDiff(missing=("a",))
         >>> bool(d), d.missing, bool(dm.KeyDiff())
@@ -377,7 +377,7 @@ class KeyDiff:
     def suggested_rules(self) -> dict[str, str]:
         r"""The :attr:`renames`, as rules for ``rename=`` (``{pattern: replacement}``, in order).
 
-        Example:
+        Examples:
             >>> import torch, dsdmerge as dm
             >>> d = dm.diff({"module.w": torch.zeros(2)}, {"w": torch.zeros(2)})
             >>> d.suggested_rules
@@ -388,7 +388,7 @@ class KeyDiff:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of lists: the three kinds of difference, ``renames``, ``resized``.
 
-        Example:
+        Examples:
             >>> import dsdmerge as dm
             >>> dm.KeyDiff(missing=("a",)).to_dict()
             {'missing': ['a'], 'unexpected': [], 'mismatched': [], 'renames': [], 'resized': []}

@@ -41,7 +41,7 @@ def printable(text: str) -> str:
     fail to encode; its ``repr`` shows every character as an escape (and is ASCII
     where those are). Printable text, non-ASCII letters included, is unchanged.
 
-    Example:
+    Examples:
         >>> from dsdmerge._text import printable
         >>> printable("layers.0.w"), printable("a\x1b[2Jb")
         ('layers.0.w', "'a\\x1b[2Jb'")
@@ -55,7 +55,7 @@ def escaped(text: str) -> str:
     For whole messages (a warning, an error line): the message stays readable and a
     crafted name inside it cannot move the cursor or recolour the terminal.
 
-    Example:
+    Examples:
         >>> from dsdmerge._text import escaped
         >>> escaped("dsdmerge: 'a\rb' is missing")
         "dsdmerge: 'a\\rb' is missing"

@@ -78,7 +78,7 @@ TENSOR_PROPERTIES_BASE: Final = ("dtype", "layout", "requires_grad", "memory_for
 def torch_version() -> tuple[int, int]:
     """The installed torch's ``(major, minor)``.
 
-    Example:
+    Examples:
         >>> from dsdmerge._torch_api import torch_version, MIN_TORCH
         >>> torch_version() >= MIN_TORCH
         True
@@ -100,7 +100,7 @@ def tensor_properties_fields() -> tuple[str, ...]:
     torch <= 2.14 pickles five (:data:`TENSOR_PROPERTIES_BASE`); 2.15 adds
     ``strides``. ``__getstate__`` writes the fields in declaration order.
 
-    Example:
+    Examples:
         >>> from dsdmerge._torch_api import tensor_properties_fields, TENSOR_PROPERTIES_BASE
         >>> tensor_properties_fields()[:5] == TENSOR_PROPERTIES_BASE
         True
@@ -132,7 +132,7 @@ def dcp_load(
 ) -> None:
     """``dcp.load`` with ``no_dist``: in this process only, even if a process group exists.
 
-    Example:
+    Examples:
         >>> import tempfile, warnings, torch
         >>> from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
         >>> from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -160,7 +160,7 @@ def dcp_load(
 def dcp_save(state_dict: Any, /, *, storage_writer: Any, no_dist: bool) -> None:
     """``dcp.save`` with ``no_dist``: in this process only, even if a process group exists.
 
-    Example:
+    Examples:
         >>> import tempfile, os, torch
         >>> from torch.distributed.checkpoint import FileSystemWriter
         >>> from dsdmerge._torch_api import dcp_save
@@ -188,7 +188,7 @@ def safe_globals(objects: Sequence[Any]) -> Iterator[None]:
     Serialized by a lock: torch keeps the list in a module global, so two loads with
     different lists in two threads would see each other's otherwise.
 
-    Example:
+    Examples:
         >>> import collections, io, torch
         >>> from dsdmerge._torch_api import safe_globals
         >>> buf = io.BytesIO()
@@ -207,7 +207,7 @@ def safe_globals(objects: Sequence[Any]) -> Iterator[None]:
 def unsafe_globals_in_checkpoint(file: str) -> list[str]:
     """The globals of a torch zip file that ``weights_only`` refuses.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dsdmerge._torch_api import unsafe_globals_in_checkpoint
         >>> with tempfile.NamedTemporaryFile(suffix=".pt") as f:
@@ -226,7 +226,7 @@ def weights_only_allowed_globals() -> set[str]:
     Private (``torch._weights_only_unpickler``); an empty set where it is missing, so
     an error message lists every global rather than none.
 
-    Example:
+    Examples:
         >>> from dsdmerge._torch_api import weights_only_allowed_globals
         >>> "torch.Size" in weights_only_allowed_globals()
         True
@@ -242,7 +242,7 @@ def weights_only_allowed_globals() -> set[str]:
 def get_fqns(model: Any, name: str) -> set[str]:
     """DSD's own fqn resolution (``state_dict._get_fqns``, private; torch >= 2.4).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge._torch_api import get_fqns
         >>> get_fqns(torch.nn.Linear(1, 1), "weight")
@@ -261,7 +261,7 @@ def get_fqns(model: Any, name: str) -> set[str]:
 def optimized_module_class() -> type | None:
     """``torch.compile``'s module wrapper class (private ``torch._dynamo``), or None.
 
-    Example:
+    Examples:
         >>> from dsdmerge._torch_api import optimized_module_class
         >>> optimized_module_class().__name__
         'OptimizedModule'

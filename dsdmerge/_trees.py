@@ -93,7 +93,7 @@ def flatten(sd: Mapping[Any, Any], /) -> dict[str, Any]:
         LayoutError: Two paths flatten to the same key, a structure is cyclic, or
             an optimizer state dict is malformed.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> osd = {"state": {0: {"step": 3}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
         >>> dm.flatten(osd)

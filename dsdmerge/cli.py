@@ -1224,7 +1224,7 @@ _CONVERSION_NAMES = ("qkv", "gate_up", "stack_experts", "stack_experts_w123", "t
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dsdmerge`` command.
 
-    Example:
+    Examples:
         >>> from dsdmerge.cli import build_parser
         >>> build_parser().parse_args(["diff", "a.pt", "b.pt", "--json"]).json
         True
@@ -1599,7 +1599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 (success; for ``diff``, nothing differs), 1 (``diff``: something differs;
         ``merge``: the policy refused) or 2 (an error).
 
-    Example:
+    Examples:
         >>> from dsdmerge.cli import main
         >>> main(["inspect", "/no/such/file.pt"])  # doctest: +SKIP
         2

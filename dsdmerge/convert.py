@@ -704,7 +704,7 @@ def convert(
         LayoutError: The state dict is malformed.
         StateDictTypeError: It is not a mapping, or holds keys of a bad type.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> sd = {f"attn.{n}_proj.weight": torch.ones(2, 4) for n in "qkv"}
         >>> out = dm.convert(sd, ["qkv"])

@@ -74,7 +74,7 @@ def run_demo(workdir: str | Path | None = None, *, steps: int = 5) -> list[str]:
     Returns:
         The lines of the story, for the caller to print.
 
-    Example:
+    Examples:
         >>> from dsdmerge.demo import run_demo
         >>> any("resumed" in line for line in run_demo(steps=2))
         True

@@ -73,7 +73,7 @@ def diff(
     When unexpected keys would become missing ones through a conversion preset,
     :attr:`KeyDiff.conversions` names it.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> ckpt = {"w": torch.zeros(2), "old": torch.zeros(1)}
         >>> ref = {"w": torch.zeros(2), "head": torch.zeros(4)}

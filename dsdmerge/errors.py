@@ -50,7 +50,7 @@ class DSDMergeError(Exception):
         diff: The :class:`~dsdmerge.KeyDiff` that led to the error, or ``None``
             when the error is not about a difference between two state dicts.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.classify([1, 2])
@@ -116,7 +116,7 @@ class RenameError(DSDMergeError, ValueError):
         keys: For a collision, the two original keys (or fqns), sorted; else ``()``.
         target: For a collision, the key both would be renamed to; else ``""``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.rename({"a.w": 1, "b.w": 2}, {r"^[ab]\.": ""})
@@ -147,7 +147,7 @@ class ConversionError(DSDMergeError, ValueError):
         rule: The rule the error is about (a conversion record), or ``None``.
         keys: The fqns (or keys) the error is about, in the order the message names them.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> try:
         ...     dm.convert({"a.w": 1}, [dm.Transpose("b.w", dims=(0, 1))])

@@ -88,7 +88,7 @@ def unflatten(
         StateDictTypeError: An argument is not a mapping, or ``flat`` has a key
             that is not a str.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> flat = {"state.a.w.step": 3, "param_groups.a.w.lr": 0.1, "param_groups.b.lr": 0.1}
         >>> dm.unflatten(flat)

@@ -42,7 +42,7 @@ PG_PREFIX = "param_groups."
 class Layout(str, enum.Enum):
     """The two layouts a state dict can have.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.Layout.FLAT == "flat", str(dm.Layout.NESTED)
         (True, 'nested')
@@ -81,7 +81,7 @@ def is_optimizer_state_dict(obj: object, /) -> bool:
     Returns:
         ``True`` for an optimizer-shaped mapping, else ``False``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.is_optimizer_state_dict({"state": {}, "param_groups": []})
         True
@@ -115,7 +115,7 @@ def classify(sd: Mapping[Any, Any], /) -> Layout:
         LayoutError: ``sd`` mixes nested optimizer sections (``"state"``,
             ``"param_groups"``) with flattened optimizer keys (``"state.<fqn>..."``).
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.classify({"state.w.step": 1, "param_groups.w.lr": 0.1})
         <Layout.FLAT: 'flat'>
@@ -267,7 +267,7 @@ def is_optimizer_section(
     ``holds(P)``, if given, says whether ``P``'s ``param_groups.*`` values hold a
     hyperparameter (default: :func:`holds_hyperparameters` of ``flat``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.layout import is_optimizer_section
         >>> is_optimizer_section({"param_groups.w.lr": 0.1}, "")

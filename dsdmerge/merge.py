@@ -112,7 +112,7 @@ def merge(
         ConversionError: A conversion cannot be applied (see :func:`~dsdmerge.convert`).
         InvalidPolicyError: A bad policy, allow-list or ``on_shape_mismatch``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> ckpt = {"state.w.step": 7, "param_groups.w.lr": 5e-5}
         >>> fresh = {"state.w.step": 1, "state.idx.step": 1,
@@ -168,7 +168,7 @@ def merge_with_diff(
     Returns:
         ``Merged(state_dict, diff, conflicts)``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> sd, d = dm.merge_with_diff({"a": 1}, {"a": 0, "b": 2})[:2]
         >>> sd, d.missing
@@ -225,7 +225,7 @@ def check(
     Raises:
         MergeError: The policy rejects a difference.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> ref = {"a": 0, "idx.w": 2}
         >>> dm.check({"a": 1}, ref, policy="strict", allow_missing=["idx.*"]).missing

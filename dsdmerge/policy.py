@@ -123,7 +123,7 @@ class Policy:
             keeping them (for a strict ``load_state_dict``).
         name: A label for messages.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> p = dm.STRICT.replace(allow_missing=["*.indexer.*"])
         >>> p.missing, p.allow_missing
@@ -166,7 +166,7 @@ class Policy:
     def replace(self, **changes: object) -> Policy:
         """A copy of this policy with some fields changed (``name`` becomes ``"custom"``).
 
-        Example:
+        Examples:
             >>> import dsdmerge as dm
             >>> dm.DEFAULT.replace(unexpected="warn").unexpected
             'warn'
@@ -196,7 +196,7 @@ def matcher(globs: Iterable[str]) -> Callable[[str], bool]:
     matches if it matches either reading, so a pattern copied from a report allows
     exactly its keys.
 
-    Example:
+    Examples:
         >>> from dsdmerge.policy import matcher
         >>> allowed = matcher(["layers.{0..2}.indexer.{bias,weight}", "ema.*"])
         >>> allowed("layers.1.indexer.bias"), allowed("layers.3.indexer.bias"), allowed("ema.w")
@@ -294,7 +294,7 @@ def resolve_policy(
     Raises:
         InvalidPolicyError: Unknown name, or an allow-list that is not globs.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.resolve_policy("strict", allow_missing="*.indexer.*").allow_missing
         ('*.indexer.*',)

@@ -69,7 +69,7 @@ def rekey(
             (naming them), or not a nested optimizer state dict.
         StateDictTypeError: A name is not a str, or ids of both kinds are mixed.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> osd = {"state": {0: {"step": 3}},
         ...        "param_groups": [{"lr": 0.1, "params": [0, 1]}]}

@@ -224,7 +224,7 @@ def strip_prefix(prefix: str, /) -> dict[str, str]:
     Raises:
         RenameError: ``prefix`` is empty or not a str.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> dm.strip_prefix("module")
         {'^module\\.': ''}
@@ -353,7 +353,7 @@ def rename(
         LayoutError: The state dict is malformed (see :func:`~dsdmerge.flatten`).
         StateDictTypeError: It is not a mapping.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> osd = {"state": {"module.w": {"step": 3}},
         ...        "param_groups": [{"lr": 0.1, "params": ["module.w"]}]}

@@ -120,7 +120,7 @@ class Pattern:
     ``str(pattern)`` is the pattern text (``layers.{0..2}.w``); ``len()`` and
     :attr:`count` are the number of keys.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress
         >>> [p] = compress(["layers.0.w", "layers.1.w", "layers.2.w", "layers.4.w"])
         >>> str(p), p.count
@@ -173,7 +173,7 @@ def compress(keys: Iterable[str], /, *, max_parts: int | None = None) -> list[Pa
         StateDictTypeError: A key is not a str.
         ValueError: ``max_parts`` is less than 1.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress
         >>> keys = [f"layers.{i}.attn.{w}" for i in (0, 1, 2, 3, 5) for w in ("wq", "wk")]
         >>> [(str(p), p.count) for p in compress(keys, max_parts=_PARTS)]
@@ -329,7 +329,7 @@ def parse_pattern(text: str, /) -> Pattern:
     Raises:
         PatternError: The text is not a valid pattern.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import parse_pattern
         >>> sorted(parse_pattern("a.{0..2,x}").keys())
         ['a.0', 'a.1', 'a.2', 'a.x']
@@ -362,7 +362,7 @@ def pattern_alternatives(text: str, /) -> list[tuple[Alternative, ...]]:
     Raises:
         PatternError: The text is not a valid pattern.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import pattern_alternatives
         >>> pattern_alternatives("layers.{0..999999,x}.w")
         [('layers',), (('0', '999999'), 'x'), ('w',)]
@@ -443,7 +443,7 @@ def range_regex(first: str, last: str, /) -> str:
     Its size grows with the number of digits (quadratically), not with how many
     numbers the range holds. ``first <= last``, both plain decimals.
 
-    Example:
+    Examples:
         >>> import re
         >>> from dsdmerge.report import range_regex
         >>> rx = re.compile(range_regex("7", "120") + r"\Z")
@@ -499,7 +499,7 @@ def expand(pattern: Pattern | str, /) -> set[str]:
     Raises:
         PatternError: ``pattern`` is a text that does not parse.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress, expand
         >>> keys = {"layers.0.experts.1", "layers.1.experts.0", "head.w"}
         >>> set().union(*map(expand, compress(keys))) == keys
@@ -553,7 +553,7 @@ def format_keys(keys: Iterable[str], /, *, limit: int = _SHOWN) -> str:
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import format_keys
         >>> format_keys(["b", "a.0", "a.1", "a.2", "c.x"], limit=2)
         "'a.{0..2}' (3 keys), 'b' and 1 more key in 1 pattern"
@@ -595,7 +595,7 @@ def format_mismatches(items: Iterable[Mismatch], /, *, limit: int = _SHOWN) -> s
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> from dsdmerge.report import format_mismatches
         >>> format_mismatches(dm.diff({"w": torch.zeros(2)}, {"w": torch.zeros(3)}).mismatched)
@@ -649,7 +649,7 @@ def format_resized(items: Iterable[Resized], /, *, limit: int = _SHOWN) -> str:
     Returns:
         One line of text.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> from dsdmerge.report import format_resized
         >>> rs = [dm.Resized.of(k, torch.zeros(2, 3), torch.zeros(4, 3)) for k in ("a.w", "b.w")]
@@ -722,7 +722,7 @@ def render(
         The report, without a trailing newline; ``"no differences"`` for an
         empty diff.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> print(dm.KeyDiff(missing=("a.0", "a.1", "a.2", "b")))
         4 keys missing from the checkpoint (will be taken from the reference):
@@ -834,7 +834,7 @@ def render_patterns(
         One line per shown pattern, plus ``"  ... and M more keys in K patterns"``
         when some are not shown.
 
-    Example:
+    Examples:
         >>> from dsdmerge.report import compress, render_patterns
         >>> print("\n".join(render_patterns(compress(["a.0", "a.1", "a.2", "b", "c.d"]), limit=2)))
           a.{0..2}  (3 keys)
@@ -872,7 +872,7 @@ def summary(diff: KeyDiff, /, *, limit: int | None = None) -> dict[str, Any]:
         [...]}``; mismatched patterns also carry ``"checkpoint"`` and ``"reference"``;
         ``"renames"`` lists the suggested renames (:meth:`SuggestedRename.to_dict`).
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> from dsdmerge.report import summary
         >>> summary(dm.KeyDiff(missing=("a.0", "a.1")))["missing"]

@@ -98,7 +98,7 @@ def resize(
             differ.
         MergeError: The new tensor could not be made (its allocation failed).
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> dm.resize(torch.ones(2, 2), torch.zeros(3, 2))
         tensor([[1., 1.],
@@ -140,7 +140,7 @@ def resize_nbytes(checkpoint: Any, reference: Any, /, *, dtype: torch.dtype | No
 
     ``dtype`` is the one :func:`resize` would be given (the reference's by default).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.resize import resize_nbytes
         >>> resize_nbytes(torch.ones(2), torch.zeros(4096, 4096).expand(3, 4096, 4096))
@@ -164,7 +164,7 @@ def held_nbytes(*trees: Any) -> int:
     bytes, and views of one storage share it. Meta tensors hold none. Walks mappings,
     lists and tuples at any depth (without recursion).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.resize import held_nbytes
         >>> base = torch.zeros(4)

@@ -160,7 +160,7 @@ def fqns(
         max_layers: Highest layer index drawn.
         max_experts: Highest expert index drawn.
 
-    Example:
+    Examples:
         >>> from dsdmerge.strategies import fqns
         >>> fqns().example().endswith((".weight", ".bias"))
         True
@@ -465,7 +465,7 @@ def model_state_dicts(
         min_params: Fewest parameters.
         max_params: Most parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.strategies import model_state_dicts
         >>> sd = model_state_dicts(min_params=1).example()
@@ -518,7 +518,7 @@ def optimizer_state_dicts(
             (a one-element int64 tensor) and ``"global_step"`` (an int), leaves
             rather than mappings (flattened: ``state.k``).
 
-    Example:
+    Examples:
         >>> from dsdmerge.strategies import optimizer_state_dicts
         >>> sorted(optimizer_state_dicts().example())
         ['param_groups', 'state']
@@ -647,7 +647,7 @@ def flat_state_dicts(
         min_params: Fewest parameters.
         max_params: Most parameters.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> from dsdmerge.strategies import flat_state_dicts
         >>> dm.classify(flat_state_dicts().example())
@@ -700,7 +700,7 @@ def nested_state_dicts(
             optimizer-level entries (see :func:`optimizer_state_dicts`); not for
             ``kind="model"``.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> from dsdmerge.strategies import nested_state_dicts
         >>> dm.classify(nested_state_dicts().example())
@@ -827,7 +827,7 @@ def checkpoint_pairs(
             fqn-keyed optimizers and ``max_groups >= 2``.
         max_moved: Most moved parameters.
 
-    Example:
+    Examples:
         >>> import dsdmerge as dm
         >>> from dsdmerge.strategies import checkpoint_pairs
         >>> ckpt, ref = checkpoint_pairs(min_missing=1).example()

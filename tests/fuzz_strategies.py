@@ -8,7 +8,7 @@ faithful to what the file says.
   opcode snippets spliced in, cuts) or synthesized from snippets: every opcode with
   small and huge arguments, allow-listed globals with hostile arguments, globals
   outside the list, BUILD on classes and functions, memo tricks (fetches and stores
-  of any index), huge integers, deep nesting, and the attacks of issue 11.
+  of any index), huge integers, deep nesting, and the known attacks on readers.
 * ``safetensors_files``: headers built from a valid one with hostile fields.
 * ``zip_files``: torch zip archives whose members are mutated.
 """

@@ -1,6 +1,6 @@
-"""Hostile checkpoint files, built in the tests: a small pickle assembler, the attacks of
-issue 11, hypothesis strategies for .metadata pickles, safetensors headers and torch zip
-members, a canary that proves nothing was patched, and a bounded child process.
+"""Hostile checkpoint files, built in the tests: a small pickle assembler, the attacks on
+checkpoint readers, hypothesis strategies for .metadata pickles, safetensors headers and torch
+zip members, a canary that proves nothing was patched, and a bounded child process.
 
 Run as a script (``python tests/hostile_files.py KIND``), it is the child of the fuzz
 tests: it limits its own address space (``RLIMIT_AS``) to what the interpreter and torch
@@ -102,7 +102,7 @@ def bytes_entry() -> bytes:
     return record("BytesStorageMetadata", {})
 
 
-# -- the attacks of issue 11 ----------------------------------------------------------------
+# -- known attacks on readers ---------------------------------------------------------------
 
 
 def build_on_class(

@@ -1,6 +1,6 @@
 """The resume story against real optimizers: a tiny model, the optimizer specs, run and compare.
 
-The story (issue 10, "How to prove it"): train ``N_STEPS`` steps with a never-gradient
+The story: train ``N_STEPS`` steps with a never-gradient
 ``indexer`` first in both param groups and a ``LambdaLR`` with one lambda per group, save
 the optimizer in three layouts (DSD flat, DSD nested fqn-keyed, ``optimizer.state_dict()``
 with int ids) through ``torch.save`` and ``torch.load(weights_only=True)``, resume a fresh

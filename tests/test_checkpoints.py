@@ -306,7 +306,7 @@ def test_corrupt_safetensors(tmp_path):
     path = tmp_path / "m.safetensors"
     pytest.importorskip("safetensors.torch").save_file({"w": torch.zeros(64)}, path)
     good = path.read_bytes()
-    # the safetensors library reads the header (issue 11): its reasons, on one line
+    # the safetensors library reads the header: its reasons, on one line
     for data, match in [
         (good[:5], "header too small"),
         (good[:20], "invalid header length"),

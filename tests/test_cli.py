@@ -430,7 +430,7 @@ def test_a_failure_mid_write_leaves_out_as_it_was(
     if existing:
         if fmt == "torch":
             out.write_bytes(b"old")
-        else:  # --force replaces only a DCP checkpoint directory (issue 11)
+        else:  # --force replaces only a DCP checkpoint directory
             dcp_save({"old": torch.ones(1)}, out)
     argv = ["merge", str(files / name), str(files / ref), "-o", str(out), "--force"]
     assert cli.main(argv) == 2

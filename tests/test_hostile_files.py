@@ -1,4 +1,4 @@
-"""Hostile files fuzzed (issue 11): every reader returns a faithful view or raises a
+"""Hostile files fuzzed: every reader returns a faithful view or raises a
 DSDMergeError, within a time and an address-space bound, and patches nothing.
 
 Each property runs in a child process (``tests/hostile_files.py``) that caps its own

@@ -1020,7 +1020,7 @@ def test_life_of_a_run(spec: Spec, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_zz_the_machine_resumed() -> None:
-    """What the machines did in this session (shown with -s): when they ran, they resumed,
+    """What the machines did in this run (shown with -s): when they ran, they resumed,
     through every path, and refused what they must."""
     print(
         f"\nlife of a run: {STEP_COUNT[0]} steps; "

@@ -1,4 +1,4 @@
-"""Issue 10's small truths, on merge/diff/flatten directly: what torch keeps is kept.
+"""Small truths, on merge/diff/flatten directly: what torch keeps is kept.
 
 Keys beside state and param_groups, optimizer-level state entries, regrouped
 parameters, a total mismatch, module ``_metadata``, scalar ``step`` shapes, one warning

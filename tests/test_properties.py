@@ -30,7 +30,7 @@ from dsdmerge.strategies import (
 MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore", conflict="ignore")
 
 
-# What real optimizers and trainers do (issue 10): a reference lacking state fields, heavyball's
+# What real optimizers and trainers do: a reference lacking state fields, heavyball's
 # top-level key, MADGRAD's state['k'], parameters moved to another group.
 FEATURES = {"allow_missing_fields": True, "allow_extra_keys": True, "allow_optimizer_entries": True}
 
@@ -669,7 +669,7 @@ def test_hyperparameter_conflicts_iff_a_reference_group_mixes_checkpoint_groups(
         assert all(any(f"{m} moved: " in line for m in members) for line in conflicts)
 
 
-# -- what real optimizers and trainers do (issue 10) ---------------------------------------
+# -- what real optimizers and trainers do -------------------------------------------------
 
 
 def _owned(f, pids):

@@ -1,6 +1,6 @@
 """Acceptance: the whole resume story against every torch.optim optimizer and third-party ones.
 
-Issue 10, "How to prove it", part 1. For each optimizer (``story.SPECS``) and each saved
+For each optimizer (``story.SPECS``) and each saved
 layout (DSD flat, DSD nested fqn-keyed, ``optimizer.state_dict()`` with int ids): train
 ``N_STEPS`` with a never-gradient ``indexer`` first in both param groups and a per-group
 ``LambdaLR``, save through ``torch.save`` / ``torch.load(weights_only=True)``, resume a

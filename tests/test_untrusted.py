@@ -1,4 +1,4 @@
-"""Untrusted checkpoints (issue 11): reading changes nothing and reaches nothing, writing
+"""Untrusted checkpoints: reading changes nothing and reaches nothing, writing
 destroys nothing. Each attacker's file is built here; a victim file or directory must
 survive; the CLI's exit code and one-line message are checked."""
 

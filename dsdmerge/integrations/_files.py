@@ -132,7 +132,7 @@ def detect_format(path: str | os.PathLike[str], /) -> CheckpointFormat:
         CheckpointReadError: ``path`` does not exist, cannot be read, or is none
             of the formats.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dsdmerge.integrations import detect_format
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -373,7 +373,7 @@ def _inside(directory: str, name: str, *, where: str, what: str) -> str:
 def plain_name(name: str, /) -> bool:
     """Whether ``name`` is a plain file name: no directory part, not ``.``/``..``, no NUL.
 
-    Example:
+    Examples:
         >>> from dsdmerge.integrations._files import plain_name
         >>> plain_name("model-00001-of-00002.safetensors"), plain_name("a/m.safetensors")
         (True, False)

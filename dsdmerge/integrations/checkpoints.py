@@ -156,7 +156,7 @@ class CheckpointView(Mapping[str, Any]):
         UNREAD: The placeholder for DCP non-tensor values (identical everywhere,
             so two of them always compare equal).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, dsdmerge as dm
         >>> from dsdmerge.integrations import read_metadata
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -371,7 +371,7 @@ def read_metadata(
             allow-list (nothing in it has run).
         LayoutError: Nothing is at ``key`` (the message lists what is there).
 
-    Example:
+    Examples:
         >>> import tempfile, torch, dsdmerge as dm
         >>> from dsdmerge.integrations import read_metadata
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -501,7 +501,7 @@ def load_checkpoint(
         UnsafeCheckpointError: A pickle references something outside the
             allow-list (nothing in it has run).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dsdmerge.integrations import load_checkpoint
         >>> with tempfile.TemporaryDirectory() as tmp:

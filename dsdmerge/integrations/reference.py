@@ -37,7 +37,7 @@ def reference_state_dict(built: Any, /, *, optimizer_layout: str = "fqn") -> dic
         StateDictTypeError: ``built`` is none of the above, or holds an optimizer next
             to more or fewer than one model.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.integrations.reference import reference_state_dict
         >>> model = torch.nn.Linear(2, 1)

@@ -212,7 +212,7 @@ def resume_optimizer(
         StateDictTypeError: ``loaded`` is not a mapping, or no optimizer was given.
         InvalidPolicyError: Bad ``policy``, allow-lists or ``fresh``.
 
-    Example:
+    Examples:
         >>> import torch, dsdmerge as dm
         >>> from dsdmerge.integrations import resume_optimizer
         >>> model = torch.nn.Linear(2, 2)
@@ -297,7 +297,7 @@ def backfill_optimizer_state(
         InvalidPolicyError: ``fresh="as_fresh"`` with a DSD-loading container.
         StateDictTypeError: Fqn-keyed ``loaded`` without ``model``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.integrations import backfill_optimizer_state
         >>> model = torch.nn.Linear(2, 1)
@@ -950,7 +950,7 @@ def resume_model(
         LayoutError: ``loaded`` is nested (pass the model's own state dict).
         StateDictTypeError: ``loaded`` is not a mapping.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dsdmerge.integrations import resume_model
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -1088,7 +1088,7 @@ def load_dcp(
         CheckpointReadError: The checkpoint cannot be read.
         UnsafeCheckpointError: Its metadata or a bytes entry would run code.
 
-    Example:
+    Examples:
         >>> import tempfile, warnings, torch
         >>> import torch.distributed.checkpoint as dcp
         >>> from dsdmerge.integrations import load_dcp

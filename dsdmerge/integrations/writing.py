@@ -106,7 +106,7 @@ def is_hf_file(name: str, /) -> bool:
     model's code (``configuration_*.py``, ``modeling_*.py``, ``tokenization_*.py`` ...).
     ``force=True`` replaces a directory holding nothing else.
 
-    Example:
+    Examples:
         >>> from dsdmerge.integrations.writing import is_hf_file
         >>> [is_hf_file(n) for n in ("config.json", "train.py", "adapter_model.safetensors")]
         [True, False, False]
@@ -322,7 +322,7 @@ def output_format(out: Path, requested: str | None = None, /, *, directory: str 
     Raises:
         CheckpointWriteError: The name and ``requested`` disagree, or neither says a format.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> from dsdmerge.integrations.writing import output_format
         >>> output_format(Path("resume.pt")), output_format(Path("merged"))
@@ -492,7 +492,7 @@ def write_checkpoint(
         CheckpointWriteError: ``out`` exists and ``force`` is false or it may not be replaced,
             or the state dict cannot be written in that format.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from dsdmerge.integrations.writing import write_checkpoint
@@ -614,7 +614,7 @@ def recover_interrupted(out: Path, /) -> Path | None:
         CheckpointWriteError: ``out`` is missing and several such copies are there
             (which to keep cannot be told).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from dsdmerge.integrations.writing import recover_interrupted
