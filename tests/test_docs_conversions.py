@@ -3,7 +3,8 @@
 The blocks run in order in one temporary working directory (files a python block writes
 are there for the bash block after it); each python block in a fresh namespace, each bash
 block with ``bash -e``. Output is compared with what follows a block: a fenced block
-without a language, or a line ``prints `...` ``, or ``prints nothing``.
+without a language, or a line ``prints `...` ``, or ``prints nothing``. A block marked
+``<!-- docs-test: fragment ... -->`` is left to tests/test_docs.py (it sets up a transcript).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def blocks() -> list[tuple[int, str, str, str | None]]:
     text = DOC.read_text(encoding="utf-8")
     out = []
     for m in BLOCK.finditer(text):
+        if text[: m.start()].rstrip().endswith("-->") and text[: m.start()].rstrip().rsplit(
+            "<!-- docs-test:", 1
+        )[-1].lstrip().startswith("fragment"):
+            continue  # set-up for a transcript, which tests/test_docs.py checks
         shown = SHOWN.match(m["after"])
         if shown is None:
             expected = None
@@ -46,8 +51,8 @@ def blocks() -> list[tuple[int, str, str, str | None]]:
 
 def test_the_document_has_blocks_and_says_what_each_prints():
     found = blocks()
-    assert len(found) >= 8
-    assert {lang for _, lang, _, _ in found} == {"python", "bash"}
+    assert len(found) >= 7  # the CLI session is a transcript: tests/test_docs.py runs it
+    assert {lang for _, lang, _, _ in found} == {"python"}  # (the CLI: the transcript)
     assert all(expected is not None for *_, expected in found)
 
 
