@@ -13,7 +13,10 @@ On the installed torch, for every release in the corpus:
 * torch and safetensors files read as ``torch.load(weights_only=True)`` and
   ``safetensors`` read them.
 
-A new torch release is one more directory (run the script with it).
+A new torch release is one more directory (run the script with it). A directory named
+``torch-<major.minor>-py<version>`` was written under that Python: Python 3.11.0-3.11.4
+pickle an Enum member by name (``getattr(cls, "NAME")``), so DCP's memory-format field
+reads differently there.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def cases() -> list[tuple[str, str]]:
 
 
 def release_of(name: str) -> tuple[int, int]:
-    major, minor = name.removeprefix("torch-").split(".")
+    """``torch-2.13`` (or ``torch-2.13-py3.11.2``: written under another Python) -> (2, 13)."""
+    major, minor = name.removeprefix("torch-").split("-")[0].split(".")
     return int(major), int(minor)
 
 
@@ -121,7 +125,9 @@ def test_the_corpus_covers_the_oldest_and_the_newest_supported_torch():
     assert MIN_TORCH in releases, RELEASES
     assert max(releases) >= (2, 15), RELEASES
     for release in RELEASES:
-        assert manifest(release)["torch"].startswith(release.removeprefix("torch-")), release
+        torch_part, _, python = release.removeprefix("torch-").partition("-py")
+        assert manifest(release)["torch"].startswith(torch_part), release
+        assert not python or manifest(release)["python"] == python, release
 
 
 @pytest.mark.parametrize(("release", "case"), cases())
@@ -189,3 +195,24 @@ def test_safetensors_files_read_as_safetensors_does(release):
         k: (tuple(v.shape), v.dtype) for k, v in expected.items()
     }
     assert view.metadata == {"format": "pt"}
+
+
+class _GetattrOf:
+    """Pickles as ``getattr(owner, name)``, the form Python 3.11.0-3.11.4 give an Enum member."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> Any:
+        return (getattr, (self.owner, self.name))
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"),
+    [(torch.Size, "__init__"), (pathlib.Path, "home"), (torch.float32, "to")],
+    ids=["size", "path", "dtype"],
+)
+def test_getattr_stands_only_for_a_memory_format_name(owner, name):
+    data = pickle.dumps(_GetattrOf(owner, name), protocol=4)
+    with pytest.raises((dm.UnsafeCheckpointError, dm.CheckpointReadError)):
+        load_metadata(data, where="crafted")

@@ -540,6 +540,26 @@ _PATHS: Final = {
 
 _CALL_LAYOUT: Final = _Call(_layout)
 _CALL_MEMORY_FORMAT: Final = _Call(_memory_format)
+# Python 3.11.0-3.11.4 pickle an Enum member by name, ``getattr(cls, "NAME")``, where other
+# versions write ``cls(value)``: DCP's ``_MEM_FORMAT_ENCODING`` member in every
+# TensorProperties. ``builtins.getattr`` stands for exactly that lookup and nothing else
+# (the real getattr is never called).
+_MEMORY_FORMAT_NAMES: Final = {
+    "TORCH_CONTIGUOUS_FORMAT": 0,
+    "TORCH_CHANNELS_LAST": 1,
+    "TORCH_PRESERVE_FORMAT": 2,
+}
+
+
+def _enum_member(owner: Any, name: Any) -> Any:
+    if owner is not _CALL_MEMORY_FORMAT or type(name) is not str:
+        raise _Refused("builtins.getattr other than a DCP memory format's name")
+    if name not in _MEMORY_FORMAT_NAMES:
+        raise _Bad("an unknown memory format name")
+    return _MEMORY_FORMATS[_MEMORY_FORMAT_NAMES[name]]
+
+
+_CALL_ENUM_MEMBER: Final = _Call(_enum_member)
 
 
 def _stand_in(module: str, name: str) -> Any:
@@ -556,6 +576,8 @@ def _stand_in(module: str, name: str) -> Any:
         return _CALL_LAYOUT
     if module == "pathlib":
         return _PATHS.get(name)
+    if module == "builtins" and name == "getattr":
+        return _CALL_ENUM_MEMBER
     return None
 
 
