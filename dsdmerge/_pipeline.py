@@ -26,6 +26,7 @@ from dsdmerge._engine import run as compare
 from dsdmerge._ids import one_spelling
 from dsdmerge._options import MergeOptions
 from dsdmerge._records import KeyDiff, Outcome
+from dsdmerge._trees import holds_value
 from dsdmerge._verdict import Finding, judge, reshaped, unmatched_rename, unresizable
 from dsdmerge.convert import Conversions, convert_checkpoint
 from dsdmerge.diff import suggest
@@ -312,17 +313,7 @@ def _without_fresh_state(
 
 def _hollow(entry: Any) -> bool:
     """Whether a state entry is mappings all the way down, without one value."""
-    if not isinstance(entry, Mapping):
-        return False
-    stack = [entry]
-    while stack:
-        node = stack.pop()
-        for v in node.values():
-            if not isinstance(v, Mapping):
-                return False
-            if len(stack) < 64:
-                stack.append(v)
-    return True
+    return isinstance(entry, Mapping) and not holds_value(entry)
 
 
 def _flat_without_fresh_state(

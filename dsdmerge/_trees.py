@@ -44,7 +44,15 @@ from dsdmerge.layout import (
     require_mapping,
 )
 
-__all__ = ["copy_group", "copy_tree", "flat_keys", "flatten", "flatten_into", "flatten_tree"]
+__all__ = [
+    "copy_group",
+    "copy_tree",
+    "flat_keys",
+    "flatten",
+    "flatten_into",
+    "flatten_tree",
+    "holds_value",
+]
 
 
 class _Unique(dict[str, Any]):
@@ -325,3 +333,22 @@ def copy_group(group: Any) -> Any:
     if isinstance(out.get(PARAMS), (list, tuple)):
         out[PARAMS] = list(out[PARAMS])
     return out
+
+
+def holds_value(entry: Any) -> bool:
+    """Whether a mapping holds a value (not a mapping) anywhere (``{}``, ``{0: {}}``: none).
+
+    An optimizer state entry without values is no state (schedulefree's ``train()``
+    makes ``{}``, heavyball ``{0: {}}``). Walks at most 64 levels deep.
+    """
+    if not isinstance(entry, Mapping):
+        return False
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        for v in node.values():
+            if not isinstance(v, Mapping):
+                return True
+            if len(stack) < 64:
+                stack.append(v)
+    return False

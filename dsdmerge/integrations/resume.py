@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from dsdmerge._ids import normalise_ids, respelled_state
 from dsdmerge._options import Fresh, MergeOptions
 from dsdmerge._pipeline import run, verdict
-from dsdmerge._trees import copy_tree
+from dsdmerge._trees import copy_tree, holds_value
 from dsdmerge._values import short_repr
 from dsdmerge._verdict import reshaped
 from dsdmerge.convert import convert_checkpoint
@@ -423,7 +423,7 @@ def plan_resume(
     fresh_for = [
         k
         for k in slots.every_key()
-        if _has_state(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
+        if holds_value(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
     ]
     expected = expected_state(slots, c_state, fresh_for) if fresh_for else None
     # a DCP round trip spells the int keys inside a parameter's state as strings too
@@ -465,7 +465,7 @@ def plan_resume(
         # (Adagrad's accumulators, made with the optimizer). An entry without values is no
         # state (schedulefree's train() makes {}, heavyball {0: {}}): loaded as it is, with
         # nothing backfilled into it.
-        keep = {k for k in slots.every_key() if _has_state(c_state.get(k))}
+        keep = {k for k in slots.every_key() if holds_value(c_state.get(k))}
         held = [k for k in slots.every_key() if k not in keep and live.get(k)]
         if held:
             keep.update(made_with_the_optimizer(slots, live, held))
@@ -479,21 +479,6 @@ def plan_resume(
             keep.update(hollow)
     dicts = slots.load_dicts(state, keep=keep, entry_keys=slots.entry_keys(reference))
     return _Plan(slots, dicts, merged.diff)
-
-
-def _has_state(entry: Any) -> bool:
-    """Whether a state entry holds a value anywhere (``{}`` and ``{0: {}}`` hold none)."""
-    if not isinstance(entry, Mapping):
-        return False
-    stack = [entry]
-    while stack:
-        node = stack.pop()
-        for v in node.values():
-            if not isinstance(v, Mapping):
-                return True
-            if len(stack) < 64:
-                stack.append(v)
-    return False
 
 
 def _overlays(
