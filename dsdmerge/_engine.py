@@ -2,13 +2,13 @@
 
 :func:`run` compares a checkpoint with a reference and, when asked, builds the
 merged state dict in the checkpoint's layout. What it must compute is defined
-plainly, key by key, in :mod:`dsdmerge._semantics`; the modules below compute the
+plainly, key by key, in :mod:`dsdmerge._spec`; the modules below compute the
 same in a few C-level passes. It dispatches on the two layouts:
 
-* both nested: the per-parameter walk of :mod:`dsdmerge._nested` (which sends pairs
+* both nested: the per-parameter walk of :mod:`dsdmerge._nested_walk` (which sends pairs
   of flat sub-dicts through the flat pass);
 * otherwise both flat, a nested side flattened first (:func:`dsdmerge._trees.flatten`):
-  the flat pass of :mod:`dsdmerge._flat`, with the reference's param groups when it
+  the flat pass of :mod:`dsdmerge._flat_pass`, with the reference's param groups when it
   was a nested optimizer state dict (else they are inferred). A nested checkpoint
   over a flat reference can be compared, not merged (the result is in the
   checkpoint's layout, which has no place for the reference's keys).
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsdmerge._flat import flat_pass
+from dsdmerge._flat_pass import flat_pass
 from dsdmerge._gc import gc_paused
-from dsdmerge._nested import NestedMerge
+from dsdmerge._nested_walk import NestedMerge
 from dsdmerge._records import Outcome
 from dsdmerge._tensors import scan
 from dsdmerge._trees import flatten
@@ -100,7 +100,7 @@ def run(
             ]
         reference = flatten(reference)
         r_scan = scan(reference)
-    # both are flat now; _flat checks that their keys are str, on its way through them
+    # both are flat now; the flat pass checks that their keys are str, on its way through them
     r_codes, r_tt = r_scan.tensor_codes()
     return flat_pass(
         checkpoint,

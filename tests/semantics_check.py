@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import Snapshot, same_tree
 
 import dsdmerge as dm
-from dsdmerge import _engine, _semantics
+from dsdmerge import _engine, _spec
 
 
 def _tree_order(tree):
@@ -31,7 +31,7 @@ def _run(fn, *args, **kwargs):
 def assert_same_outcome(c, r, **options):
     snaps = Snapshot(c), Snapshot(r)
     fast, fast_error = _run(_engine.run, c, r, **options)
-    plain, plain_error = _run(_semantics.outcome, c, r, **options)
+    plain, plain_error = _run(_spec.outcome, c, r, **options)
     assert fast_error is plain_error
     assert all(s.unchanged() for s in snaps)
     if fast is None:

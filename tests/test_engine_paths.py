@@ -1,4 +1,4 @@
-"""The fast paths of the engine against the plain definition of diff and merge (_semantics).
+"""The fast paths of the engine against the plain definition of diff and merge (dsdmerge._spec).
 
 The engine finds key differences from the union ``{**reference, **checkpoint}`` and value
 identity, compares tensors in C-level passes, and takes shortcuts for common value types;
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from semantics_check import assert_same_outcome
 
 import dsdmerge as dm
-from dsdmerge import _semantics
+from dsdmerge import _spec
 from dsdmerge._verdict import reshaped
 
 MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore", conflict="ignore")
@@ -30,8 +30,8 @@ SHARED = [torch.zeros(2), torch.zeros(3), torch.zeros(2, dtype=torch.float16), T
 
 def model(c: dict, r: dict) -> tuple[list[str], list[str], list[str]]:
     """missing (reference order), unexpected (checkpoint order), mismatched (reference order):
-    the plain definition of dsdmerge._semantics."""
-    plain = _semantics.flat(c, r, merge=False)
+    the plain definition of dsdmerge._spec."""
+    plain = _spec.flat(c, r, merge=False)
     return plain.missing, plain.unexpected, [m.key for m in plain.mismatches]
 
 

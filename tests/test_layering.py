@@ -44,10 +44,10 @@ LAYERS = [
     "dsdmerge._keys",
     "dsdmerge._tensors",
     "dsdmerge._groups",
-    "dsdmerge._flat",
-    "dsdmerge._nested",
+    "dsdmerge._flat_pass",
+    "dsdmerge._nested_walk",
     "dsdmerge._engine",
-    "dsdmerge._semantics",
+    "dsdmerge._spec",
     # the public verbs
     "dsdmerge.flatten",
     "dsdmerge.rename",

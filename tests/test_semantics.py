@@ -1,4 +1,4 @@
-"""Every fast path of the engine equals the plain semantics of dsdmerge._semantics.
+"""Every fast path of the engine equals the plain semantics of dsdmerge._spec.
 
 The engine (dsdmerge._engine.run) takes shortcuts: the flat pass walks the two key sequences
 side by side or falls back to a union, reads torch's param-group keys as a table or key by
@@ -22,7 +22,7 @@ from semantics_check import assert_same_outcome
 from test_properties import FEATURES, pairs
 
 import dsdmerge as dm
-from dsdmerge import _semantics
+from dsdmerge import _spec
 from dsdmerge.strategies import checkpoint_pairs
 
 OPTIONS = st.fixed_dictionaries(
@@ -95,7 +95,7 @@ def test_semantics_of_a_hand_made_case(keep):
     c = {"state.w.step": 7, "param_groups.w.lr": 5e-5, "old": 1}
     r = {"state.w.step": 1, "state.new.step": 1, "param_groups.w.lr": 1e-3}
     r["param_groups.new.lr"] = r["param_groups.w.lr"]  # one group: equal hyperparameters
-    out = _semantics.outcome(c, r, merge=True, keep_unexpected=keep)
+    out = _spec.outcome(c, r, merge=True, keep_unexpected=keep)
     assert out.missing == ["state.new.step", "param_groups.new.lr"]
     assert out.unexpected == ["old"]
     expected = {"state.w.step": 7, "param_groups.w.lr": 5e-5, "old": 1}
@@ -248,7 +248,7 @@ def test_a_model_under_optimizer_like_segments_merges_key_by_key(pair, prefix, o
     say, with no param-group rule on any key."""
     c, r = ({prefix + k: v for k, v in sd.items()} for sd in pair)
     assert_same_outcome(c, r, **options)
-    out = _semantics.outcome(c, r, merge=True, conflicts=True)
+    out = _spec.outcome(c, r, merge=True, conflicts=True)
     assert out.merged == {**r, **c}
     assert all(out.merged[k] is v for k, v in c.items())
     assert all(out.merged[k] is r[k] for k in r.keys() - c.keys())

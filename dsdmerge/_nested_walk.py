@@ -1,6 +1,6 @@
 """Nested state dicts compared (and merged) parameter by parameter.
 
-What it computes (the plain definition is :mod:`dsdmerge._semantics`): the same
+What it computes (the plain definition is :mod:`dsdmerge._spec`): the same
 missing, unexpected and mismatched flat keys as the flat pass over the two
 state dicts flattened, and a merged state dict with the *reference's* structure:
 
@@ -16,7 +16,7 @@ state dicts flattened, and a merged state dict with the *reference's* structure:
   checkpoint group), optimizer-level ``state`` entries and keys beside ``state`` and
   ``param_groups`` like leaves and mappings;
 * a pair of flat sub-dicts (a model, a flattened optimizer) goes through the flat
-  pass (:mod:`dsdmerge._flat`), re-keyed under its path.
+  pass (:mod:`dsdmerge._flat_pass`), re-keyed under its path.
 
 Unexpected keys are found by a second, checkpoint-driven walk, only where the
 first walk saw the checkpoint holding more than the reference.
@@ -36,7 +36,7 @@ from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import and_, is_, itemgetter, not_
 from typing import Any
 
-from dsdmerge._flat import run_flat
+from dsdmerge._flat_pass import run_flat
 from dsdmerge._groups import merge_groups
 from dsdmerge._records import Mismatch, Outcome, Slot
 from dsdmerge._tensors import differs, meta, mismatched

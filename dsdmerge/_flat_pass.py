@@ -1,6 +1,6 @@
 """The flat pass: two flat state dicts compared (and merged) in a few C-level passes.
 
-What it computes (the plain definition is :mod:`dsdmerge._semantics`): the keys
+What it computes (the plain definition is :mod:`dsdmerge._spec`): the keys
 missing from the checkpoint and unexpected in it (:mod:`dsdmerge._keys`), the tensor
 pairs that differ in shape or dtype (:mod:`dsdmerge._tensors`), and, when merging,
 ``{**reference, **checkpoint}`` in the checkpoint's key order, with each missing key

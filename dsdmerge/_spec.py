@@ -1,4 +1,4 @@
-"""What diff and merge compute, defined plainly: the spine every fast path must equal.
+"""What diff and merge compute, the specification every fast path must equal (used by tests).
 
 :func:`outcome` gives, for valid inputs, exactly the
 :class:`~dsdmerge._records.Outcome` that :func:`dsdmerge._engine.run` gives (the
