@@ -69,8 +69,9 @@ def run(
     Returns:
         The :class:`~dsdmerge._records.Outcome`, before any policy.
     """
-    require_mapping(checkpoint, "checkpoint")
-    require_mapping(reference, "reference")
+    if not (isinstance(checkpoint, Mapping) and isinstance(reference, Mapping)):
+        require_mapping(checkpoint, "checkpoint")
+        require_mapping(reference, "reference")
     # One pass over each side's values serves classify, require_flat, the tensor checks and
     # the group proof: the type of each value (dsdmerge._tensors.scan).
     c_scan = scan(checkpoint)

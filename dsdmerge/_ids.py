@@ -131,9 +131,17 @@ def _plain(state: Mapping[Any, Any]) -> bool:
     return not any(issubclass(t, Mapping) for t in kinds)
 
 
+def _optimizer(node: Mapping[Any, Any]) -> bool:
+    """:func:`~dsdmerge.layout.is_optimizer_state_dict`, asked only of a dict with both sections.
+
+    A flat state dict (no ``state`` key) is told in one lookup, without a call.
+    """
+    return STATE in node and PARAM_GROUPS in node and is_optimizer_state_dict(node)
+
+
 def _pair(node: Mapping[Any, Any], ref: Mapping[Any, Any], depth: int) -> Mapping[Any, Any]:
-    if is_optimizer_state_dict(node):
-        if not is_optimizer_state_dict(ref):
+    if _optimizer(node):
+        if not _optimizer(ref):
             return node
         state = respelled_state(node[STATE], ref[STATE])
         return node if state is node[STATE] else {**node, STATE: state}
@@ -171,7 +179,7 @@ def _respell(entry: Mapping[Any, Any], own: Mapping[Any, Any], depth: int) -> Ma
 
 
 def _walk(node: Mapping[Any, Any], what: str, where: str, depth: int) -> Mapping[Any, Any]:
-    if is_optimizer_state_dict(node):
+    if _optimizer(node):
         return _fixed(node, what, where)
     if depth >= _DEPTH or len(node) > _WRAPPER_KEYS:
         return node

@@ -83,13 +83,15 @@ def run(
     """
     policy = options.policy
     checkpoint, reference = one_spelling(checkpoint, reference)
-    checkpoint, findings = surgery(
-        checkpoint,
-        policy,
-        rename=options.rename,
-        convert=options.convert,
-        stacklevel=stacklevel + 1,
-    )
+    findings: list[Finding] = []
+    if options.rename is not None or options.convert is not None:
+        checkpoint, findings = surgery(
+            checkpoint,
+            policy,
+            rename=options.rename,
+            convert=options.convert,
+            stacklevel=stacklevel + 1,
+        )
     outcome = compare(
         checkpoint,
         reference,
@@ -102,7 +104,11 @@ def run(
         findings += unresizable(outcome, metadata_only=not merge)
         if merge and all(f.action != "raise" for f in findings):
             findings += _resize_budget(outcome, checkpoint, reference, options.max_resize_bytes)
-    renames = suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
+    renames = (  # a rename needs a missing key and an unexpected one
+        suggest(checkpoint, reference, outcome.missing, outcome.unexpected)
+        if outcome.missing and outcome.unexpected
+        else ()
+    )
     diff, conflicts = judge(
         outcome,
         policy,

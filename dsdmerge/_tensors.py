@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dsdmerge._records import Mismatch, TensorMeta
-from dsdmerge._values import KNOWN_LEAF_TYPES, KNOWN_TENSORS, run_length, tensor_like
+from dsdmerge._values import KNOWN_LEAF_TYPES, KNOWN_TENSORS, tensor_like
 from dsdmerge.errors import StateDictTypeError
 
 __all__ = [
@@ -72,7 +72,7 @@ def scan(sd: Mapping[Any, Any]) -> Scanned:
     """The :class:`Scanned` values of ``sd``: one C-level type pass.
 
     torch writes an optimizer's state tensors first: a leading run of tensors
-    (:func:`~dsdmerge._values.run_length`, in pointer comparisons) is not looked at
+    (:func:`run_length`, in pointer comparisons) is not looked at
     again; the rest of the types are collected into a set, and only when tensors stand
     among them is each type tested again.
     """
@@ -86,6 +86,32 @@ def scan(sd: Mapping[Any, Any]) -> Scanned:
     if rest.isdisjoint(KNOWN_TENSORS):
         return Scanned(b"\x01" * first + bytes(n - first), types, kinds)
     return Scanned(bytes(map(KNOWN_TENSORS.__contains__, kinds)), types, kinds)
+
+
+def run_length(items: list[Any], item: Any, start: int = 0) -> int:
+    """How many items from ``start`` on are ``item`` (or ``==`` it), in C-level comparisons.
+
+    Galloping comparisons of slices with ``[item] * n``, then a bisection: a list
+    comparison stops at its first difference, so the cost is about the run's length
+    in identity comparisons (a type list: one pointer comparison per item).
+    """
+    n = len(items)
+    at, size = start, 1
+    while at < n:
+        step = min(size, n - at)
+        if items[at : at + step] == [item] * step:
+            at += step
+            size *= 2
+            continue
+        while step > 1:  # the first item unlike ``item`` is among the next ``step``
+            half = step // 2
+            if items[at : at + half] == [item] * half:
+                at += half
+                step -= half
+            else:
+                step = half
+        break
+    return at - start
 
 
 def meta(value: Any, key: str) -> TensorMeta:
@@ -128,7 +154,10 @@ def mismatched(
     """
     c_seen = set(map(type, c_vals)) if c_seen is None else set(c_seen)
     r_seen = set(map(type, r_vals)) if r_seen is None else set(r_seen)
-    c_tt, r_tt = tensor_like(c_seen), tensor_like(r_seen)
+    # plain tensors on both sides (almost every call) need no type tests at all
+    plain = c_seen <= KNOWN_TENSORS and r_seen <= KNOWN_TENSORS
+    c_tt = frozenset(c_seen) if plain else tensor_like(c_seen)
+    r_tt = frozenset(r_seen) if plain else tensor_like(r_seen)
     if not c_tt or not r_tt:
         return []
     positions: Iterable[int] = range(len(c_vals))
@@ -143,7 +172,7 @@ def mismatched(
         positions = list(compress(positions, keep))
         c_vals = list(compress(c_vals, keep))
         r_vals = list(compress(r_vals, keep))
-    if _torch_types(c_tt) and _torch_types(r_tt):
+    if plain or (_torch_types(c_tt) and _torch_types(r_tt)):
         # identical objects compare equal, so they need no filtering
         try:
             differ = list(map(ne, map(_SHAPE_DTYPE, c_vals), map(_SHAPE_DTYPE, r_vals)))
@@ -222,14 +251,16 @@ def tied(
     Tied weights: a model whose ``lm_head.weight`` is its ``embed.weight`` holds one
     tensor under both keys, and a ``save_pretrained`` checkpoint keeps one of them.
     The first such key in reference order, among keys ``tieable`` accepts (not an
-    optimizer's), for each missing key with memory (:func:`same_view`). How: the
-    data pointers of the missing tensors first; the reference's other tensors are
-    looked at only when some missing one can be tied.
+    optimizer's), for each missing key with memory (:func:`same_view`) that
+    ``tieable`` accepts. How: the data pointers of the missing tensors first; the
+    reference's other tensors are looked at only when some missing one can be tied,
+    and ``tieable`` is asked only of the two keys of a pair that share memory (a
+    fresh optimizer's state tensors share none: it is asked nothing).
     """
     wanted: dict[int, list[str]] = {}
     for key in missing:
         t = r[key]
-        if _real(t) and tieable(key):
+        if _real(t):
             wanted.setdefault(t.data_ptr(), []).append(key)
     if not wanted:
         return []
@@ -251,7 +282,10 @@ def tied(
             continue
         for m in wanted[ptr]:
             if m not in found and same_view(r[m], t):
-                found[m] = key
+                if tieable(m):
+                    found[m] = key
+                else:  # an optimizer's key: never tied, and not looked for again
+                    found[m] = ""
         if len(found) == n_wanted:
             break
-    return [(m, found[m]) for m in missing if m in found]
+    return [(m, found[m]) for m in missing if found.get(m)]

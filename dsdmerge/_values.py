@@ -157,32 +157,6 @@ def leaf_codes(values: Iterable[Any]) -> bytes | None:
         return None
 
 
-def run_length(items: list[Any], item: Any, start: int = 0) -> int:
-    """How many items from ``start`` on are ``item`` (or ``==`` it), in C-level comparisons.
-
-    Galloping comparisons of slices with ``[item] * n``, then a bisection: a list
-    comparison stops at its first difference, so the cost is about the run's length
-    in identity comparisons (a type list: one pointer comparison per item).
-    """
-    n = len(items)
-    at, size = start, 1
-    while at < n:
-        step = min(size, n - at)
-        if items[at : at + step] == [item] * step:
-            at += step
-            size *= 2
-            continue
-        while step > 1:  # the first item unlike ``item`` is among the next ``step``
-            half = step // 2
-            if items[at : at + half] == [item] * half:
-                at += half
-                step -= half
-            else:
-                step = half
-        break
-    return at - start
-
-
 def shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:
     """The ``(shape, dtype)`` of a tensor-like value, the shape as a tuple of ints."""
     return tuple(int(n) for n in value.shape), value.dtype
