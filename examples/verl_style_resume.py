@@ -47,8 +47,8 @@ class CheckpointManager:
     def _backfill_optimizer_state(self, state_dict: dict) -> dict:
         # the one line: the dict to load, merged over what the optimizer accepts and checked
         return backfill_optimizer_state(
-            state_dict,
             self.optimizer,
+            state_dict,
             model=self.model,
             policy="strict",
             allow_missing=["state.indexer.*"],  # the indexer never gets gradients: no state

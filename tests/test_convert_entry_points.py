@@ -208,7 +208,7 @@ def test_backfill_optimizer_state_converts(split):
     saved = copy.deepcopy(optim.state_dict())
     fused = Fused()
     fresh = torch.optim.AdamW([{"params": list(fused.named_parameters())}], lr=1e-2)
-    sd = backfill_optimizer_state(saved, fresh, model=fused, convert=["qkv"], policy="strict")
+    sd = backfill_optimizer_state(fresh, saved, model=fused, convert=["qkv"], policy="strict")
     fresh.load_state_dict(sd)
     state = fresh.state[fused.attn.qkv_proj.bias]
     want = torch.cat([saved["state"][i]["exp_avg"] for i in (2, 4, 6)])  # q, k, v biases

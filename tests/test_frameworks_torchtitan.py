@@ -371,8 +371,8 @@ def test_the_containers_own_load_through_backfill_when_the_first_parameter_is_ne
     optimizers2 = container(Net())
     model2 = optimizers2.model_parts[0]
     merged = dm.integrations.backfill_optimizer_state(
-        saved,
         optimizers2,
+        saved,
         model=model2,
         policy="strict",
         allow_missing="*embed.*",

@@ -239,3 +239,23 @@ def test_the_merge_modules_old_internal_names_warn_and_still_work():
     assert merged.diff.missing == ("b",)
     with pytest.raises(AttributeError):
         merge_module.no_such_name  # noqa: B018
+
+
+def test_backfill_takes_resume_optimizers_order_and_the_old_one_warns():
+    import torch
+
+    from dsdmerge.integrations import backfill_optimizer_state
+
+    model = torch.nn.Linear(2, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    saved = {
+        "state": {0: {"momentum_buffer": torch.ones(1, 2)}},
+        "param_groups": [{**optim.param_groups[0], "lr": 0.5, "params": [0, 1]}],
+    }
+    new = backfill_optimizer_state(optim, saved)
+    with pytest.warns(DeprecationWarning, match=r"backfill_optimizer_state\(optimizer, loaded\)"):
+        old = backfill_optimizer_state(saved, optim)  # type: ignore[arg-type]
+    assert new.keys() == old.keys() == {"state", "param_groups"}
+    assert new["param_groups"] == old["param_groups"]
+    assert new["state"].keys() == old["state"].keys() == {0}
+    assert new["state"][0]["momentum_buffer"] is old["state"][0]["momentum_buffer"]

@@ -160,7 +160,7 @@ def test_wrong_shaped_state_is_refused_when_the_optimizer_has_none_yet(layout, p
     else:
         assert key in {m.key for m in info.value.diff.mismatched}
     with pytest.raises(dm.MergeError, match="shape"):
-        backfill_optimizer_state(sd, optim, model=big, policy=policy)
+        backfill_optimizer_state(optim, sd, model=big, policy=policy)
     assert snap.unchanged()
 
     with warnings.catch_warnings():

@@ -188,8 +188,8 @@ class Manager:
     def _backfill_optimizer_state(self, state_dict: dict) -> dict:
         container = hasattr(self.optimizer, "optimizers_dict")
         return backfill_optimizer_state(
-            state_dict,
             self.optimizer,
+            state_dict,
             model=self.model,
             policy="strict",
             allow_missing=self.allow,
@@ -249,7 +249,7 @@ def test_verl_hook_with_veomni_multioptimizer(tmp_path):
         )
     # the default (as fresh) cannot go through DSD's flattened load: said before anything
     with pytest.raises(dm.InvalidPolicyError, match="fresh='reference'"):
-        backfill_optimizer_state(torch.load(tmp_path / "optim.pt"), optim2, model=model2)
+        backfill_optimizer_state(optim2, torch.load(tmp_path / "optim.pt"), model=model2)
 
 
 # -- untouched on error, every path ------------------------------------------------------
@@ -275,7 +275,7 @@ def test_a_refused_hook_changes_nothing():
     optim2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
     snap = _snapshot(model2, [optim2])
     with pytest.raises(dm.MergeError, match="indexer"):
-        backfill_optimizer_state(saved, optim2, model=model2, policy="strict")
+        backfill_optimizer_state(optim2, saved, model=model2, policy="strict")
     assert snap.unchanged()
     assert not optim2.state
 

@@ -239,8 +239,8 @@ def resume_optimizer(
 
 
 def backfill_optimizer_state(
-    loaded: Mapping[Any, Any],
     optimizer: torch.optim.Optimizer,
+    loaded: Mapping[Any, Any],
     /,
     *,
     model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
@@ -260,7 +260,7 @@ def backfill_optimizer_state(
     :func:`resume_optimizer`, without loading anything::
 
         def _backfill_optimizer_state(self, state_dict):
-            return backfill_optimizer_state(state_dict, self.optimizer, model=self.model,
+            return backfill_optimizer_state(self.optimizer, state_dict, model=self.model,
                                             policy="strict", allow_missing=["state.*indexer*"])
 
     * A plain optimizer: the result is an int-keyed ``optimizer.state_dict()``
@@ -277,9 +277,13 @@ def backfill_optimizer_state(
     Nothing changes before the verdict, and nothing is loaded. Does not modify
     its inputs.
 
+    The arguments come in :func:`resume_optimizer`'s order: what loads, then what
+    was loaded. The order of earlier releases, ``(loaded, optimizer)``, still works
+    for one release, with a ``DeprecationWarning``.
+
     Args:
-        loaded: The optimizer state dict read from the checkpoint.
         optimizer: The live optimizer (or container) that will load the result.
+        loaded: The optimizer state dict read from the checkpoint.
         model: The model (or model parts); needed for fqn-keyed state.
         policy: ``"default"``, ``"warn"``, ``"strict"`` or a :class:`~dsdmerge.Policy`.
         allow_missing: Globs over flat keys the checkpoint may lack.
@@ -304,11 +308,19 @@ def backfill_optimizer_state(
         >>> optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> saved = {"state": {0: {"momentum_buffer": torch.ones(1, 2)}},
         ...          "param_groups": [{**optim.param_groups[0], "lr": 0.5, "params": [0, 1]}]}
-        >>> sd = backfill_optimizer_state(saved, optim)
+        >>> sd = backfill_optimizer_state(optim, saved)
         >>> optim.load_state_dict(sd)
         >>> optim.param_groups[0]["lr"], sorted(optim.state_dict()["state"])
         (0.5, [0])
     """
+    if isinstance(optimizer, Mapping) and not isinstance(loaded, Mapping):  # the old order
+        warnings.warn(
+            "backfill_optimizer_state(loaded, optimizer) is deprecated: pass "
+            "backfill_optimizer_state(optimizer, loaded), resume_optimizer's order",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        optimizer, loaded = loaded, optimizer
     merge_options = MergeOptions.of(
         policy,
         allow_missing=allow_missing,
