@@ -992,7 +992,6 @@ def _merge(args: argparse.Namespace) -> int:
 _ADVICE = (
     ("allow_missing=[<glob>, ...]", "--allow-missing GLOB"),
     ("allow_unexpected=[<glob>, ...]", "--allow-unexpected GLOB"),
-    ("merge with dsdmerge.Policy(shape='warn')", "pass --on-shape-mismatch take-reference"),
     ("on_shape_mismatch='resize'", "--on-shape-mismatch resize"),
     ("on_shape_mismatch='take_reference'", "--on-shape-mismatch take-reference"),
     ("Pass max_resize_bytes=<bytes>", "Pass --max-bytes BYTES"),

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args
 
@@ -106,7 +107,12 @@ class Policy:
     Attributes:
         missing: For keys in the reference but not in the checkpoint.
         unexpected: For keys in the checkpoint but not in the reference.
-        shape: For tensors whose shapes differ.
+        shape: Deprecated, goes in the next release: what happens to tensors whose
+            shapes differ is ``on_shape_mismatch=``'s one setting (``"raise"``,
+            ``"take_reference"`` with a warning, or ``"resize"``). Until then
+            ``"warn"`` or ``"ignore"`` here takes the reference's tensors, as
+            ``on_shape_mismatch="take_reference"`` does, and warns that it is
+            deprecated.
         dtype: For tensors whose dtypes differ.
         conflict: For checkpoint members of one param group that disagree on a
             hyperparameter (torch silently uses the first member's value), a
@@ -158,6 +164,14 @@ class Policy:
                     f"Policy.{field} must be one of {', '.join(map(repr, _ACTIONS))}, "
                     f"got {short_repr(action)}"
                 )
+        if self.shape != "raise":  # one setting per situation: on_shape_mismatch's
+            warnings.warn(
+                f"Policy(shape={self.shape!r}) is deprecated and goes in the next release: "
+                "pass on_shape_mismatch='take_reference' to take the reference's tensors "
+                "(or 'resize' to keep the trained slice)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         for field in ("allow_missing", "allow_unexpected"):
             object.__setattr__(self, field, _globs(getattr(self, field), field))
         if not isinstance(self.drop_unexpected, bool):

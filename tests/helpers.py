@@ -57,3 +57,16 @@ def rows_reordered(sd, start_fraction):
         keys = rows[fqn][::-1] if i >= start else rows[fqn]
         out |= {k: sd[k] for k in keys}
     return out
+
+
+def taking_reference(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, on_shape_mismatch="take_reference", **kwargs)``, its warnings silenced.
+
+    For tests that compare what a merge returns when reshaped tensors take the
+    reference's (which always warns), not what it says.
+    """
+    import dsdmerge as dm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.DSDMergeWarning)
+        return fn(*args, on_shape_mismatch="take_reference", **kwargs)

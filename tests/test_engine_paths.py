@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Snapshot
+from helpers import taking_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from semantics_check import assert_same_outcome
@@ -23,7 +24,7 @@ import dsdmerge as dm
 from dsdmerge import _spec
 from dsdmerge._verdict import reshaped
 
-MERGING = dm.DEFAULT.replace(shape="ignore", unrelated="ignore", conflict="ignore")
+MERGING = dm.DEFAULT.replace(unrelated="ignore", conflict="ignore")
 
 SHARED = [torch.zeros(2), torch.zeros(3), torch.zeros(2, dtype=torch.float16), True, None, 0.5]
 
@@ -120,7 +121,7 @@ def test_merge_matches_the_model(pair, drop):
     missing, unexpected, mismatched = model(c, r)
     refusal = None
     try:
-        out, d, _ = dm.merge_with_diff(c, r, policy=policy)
+        out, d, _ = taking_reference(dm.merge_with_diff, c, r, policy=policy)
     except dm.MergeError as err:
         refusal = err
     if refusal is not None:
@@ -200,7 +201,7 @@ def test_keys_in_another_order_agree_with_the_model():
     d = dm.diff(c, r)
     assert (list(d.missing), list(d.mismatched_keys)) == (missing, mismatched)
     assert not d.unexpected
-    out = dm.merge(c, r, policy=MERGING)
+    out = taking_reference(dm.merge, c, r, policy=MERGING)
     assert list(out) == merged_order(c, r)
     assert list(out)[-1] == "k17"  # backfilled: after the checkpoint's keys
 
@@ -245,7 +246,7 @@ def test_nested_reports_follow_the_walk_order_across_batched_and_one_by_one_para
     assert d.missing[:2] == ("state.p2.step", "state.p2.exp_avg")
     assert d.unexpected == ("state.p1.extra",)
     assert d == dm.diff(dm.flatten(c), dm.flatten(r))
-    out = dm.merge(c, r, policy=MERGING)
+    out = taking_reference(dm.merge, c, r, policy=MERGING)
     assert list(out["state"]) == list(r["state"])
     assert out["state"]["p0"]["exp_avg"] is r["state"]["p0"]["exp_avg"]  # shape: reference's
     assert out["state"]["p3"]["exp_avg"] is c["state"]["p3"]["exp_avg"]
@@ -258,7 +259,7 @@ def test_nested_state_values_take_the_general_walk():
     d = dm.diff(c, r)
     assert d.mismatched_keys == ("state.w.shampoo.factor",)
     assert d == dm.diff(dm.flatten(c), dm.flatten(r))
-    out = dm.merge(c, r, policy=MERGING)
+    out = taking_reference(dm.merge, c, r, policy=MERGING)
     assert out["state"]["w"]["shampoo"]["factor"] is r["state"]["w"]["shampoo"]["factor"]
     assert out["state"]["w"]["step"] == 2
 

@@ -112,9 +112,11 @@ def test_shape_mismatch_raises_under_every_builtin_policy(policy):
         dm.merge({"w": t(2)}, {"w": t(3)}, policy=policy, allow_missing="*", allow_unexpected="*")
 
 
-def test_custom_policy_can_take_reference_for_shape_mismatch(quiet):
+def test_the_deprecated_policy_shape_still_takes_the_reference(quiet):
     ref = {"head": t(5)}
-    out = dm.merge({"head": t(4)}, ref, policy=dm.DEFAULT.replace(shape="warn"))
+    with pytest.warns(DeprecationWarning, match="on_shape_mismatch='take_reference'"):
+        policy = dm.DEFAULT.replace(shape="warn")
+    out = dm.merge({"head": t(4)}, ref, policy=policy)
     assert out["head"] is ref["head"]
     [w] = dsd_warnings(quiet)
     assert "shape differs" in str(w.message)

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import Snapshot, leaves, same_tree
+from helpers import taking_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -91,7 +92,7 @@ def test_resize_keeps_exactly_the_overlap_and_takes_the_rest_from_the_reference(
         assert rec.kept + rec.from_reference == new.numel()
         assert rec.dims == tuple(i for i in range(new.dim()) if old.shape[i] != new.shape[i])
     # every other leaf is the very object merge would have kept or backfilled
-    take = dm.flatten(dm.merge(ckpt, ref, on_shape_mismatch="take_reference", policy=quiet()))
+    take = dm.flatten(taking_reference(dm.merge, ckpt, ref, policy=quiet()))
     assert out.keys() == take.keys()
     for key, value in out.items():
         if key not in chosen:
@@ -99,7 +100,7 @@ def test_resize_keeps_exactly_the_overlap_and_takes_the_rest_from_the_reference(
 
 
 def quiet():
-    return dm.DEFAULT.replace(shape="ignore")
+    return dm.DEFAULT
 
 
 @given(plain_pairs.filter(_no_shape_mismatch))

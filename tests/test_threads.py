@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 import dsdmerge as dm
 from dsdmerge.strategies import checkpoint_pairs
 
-LOOSE = dm.Policy(shape="warn", missing="warn", conflict="warn")
+LOOSE = dm.Policy(missing="warn", conflict="warn")
+SHAPES = {"on_shape_mismatch": "take_reference"}
 CALLS = {
     "merge": lambda c, r: dm.merge(c, r),
     "merge-strict": lambda c, r: dm.merge(c, r, policy="strict", allow_missing="*.indexer.*"),
-    "merge_with_diff": lambda c, r: dm.merge_with_diff(c, r, policy=LOOSE),
+    "merge_with_diff": lambda c, r: dm.merge_with_diff(c, r, policy=LOOSE, **SHAPES),
     "diff": dm.diff,
     "check": lambda c, r: dm.check(c, r, policy="strict"),
     "flatten": lambda c, r: dm.flatten(c),
@@ -27,7 +28,7 @@ CALLS = {
     "classify": lambda c, r: dm.classify(c),
     "rename": lambda c, r: dm.rename(c, {r"^": "module.", r"\.attn\.": ".attention."}),
     "merge-rename": lambda c, r: dm.merge_with_diff(
-        dm.rename(c, {r"^": "module."}), r, policy=LOOSE, rename="ddp"
+        dm.rename(c, {r"^": "module."}), r, policy=LOOSE, rename="ddp", **SHAPES
     ),
 }
 
