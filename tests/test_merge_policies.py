@@ -220,3 +220,20 @@ def test_check_applies_the_policy_without_merging():
     assert dm.check(ckpt, ref, policy="strict", allow_missing="idx.*").missing == ("idx.w",)
     with pytest.raises(dm.MergeError):
         dm.check(ckpt, ref, policy="strict")
+
+
+@pytest.mark.parametrize("verb", [dm.merge, dm.merge_with_diff, dm.check])
+@pytest.mark.parametrize(
+    "ckpt, ref, options",
+    [
+        ({"w": t(2)}, {"w": t(2), "b": t(1)}, {"policy": "warn"}),  # a missing key
+        ({"w": t(2)}, {"w": t(2)}, {"rename": {"^nothing\\.": "x."}}),  # a rule matching nothing
+        ({"w": t(2)}, {"w": t(3)}, {"on_shape_mismatch": "take_reference"}),
+        ({"w": t(2)}, {"w": t(3)}, {"on_shape_mismatch": "resize", "policy": "warn"}),
+    ],
+    ids=["missing", "unmatched-rename", "take-reference", "resize"],
+)
+def test_every_warning_of_every_verb_points_at_the_caller(verb, ckpt, ref, options):
+    with pytest.warns(dm.DSDMergeWarning) as record:
+        verb(ckpt, ref, **options)
+    assert {w.filename for w in record} == {__file__}
