@@ -224,7 +224,7 @@ def test_check_applies_the_policy_without_merging():
 
 @pytest.mark.parametrize("verb", [dm.merge, dm.merge_with_diff, dm.check])
 @pytest.mark.parametrize(
-    "ckpt, ref, options",
+    ("ckpt", "ref", "options"),
     [
         ({"w": t(2)}, {"w": t(2), "b": t(1)}, {"policy": "warn"}),  # a missing key
         ({"w": t(2)}, {"w": t(2)}, {"rename": {"^nothing\\.": "x."}}),  # a rule matching nothing
