@@ -330,7 +330,7 @@ def _summary(path: str, *, trusted: bool | list[str], key: str | None) -> _Summa
             return _Summary(path, fmt, "flat", metadata, tensors, list(entries))
     view = _view(path, trusted=trusted, key=key)
     from dsdmerge._text import dtype_name
-    from dsdmerge.integrations.checkpoints import meta_nbytes, tensor_metas
+    from dsdmerge.integrations._view import meta_nbytes, tensor_metas
 
     tensors = {}
     for k, value in view.items():
