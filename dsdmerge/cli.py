@@ -903,13 +903,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
-    from dsdmerge._paths import replace_part
-    from dsdmerge.integrations.checkpoints import (
-        detect_format,
-        load_checkpoint,
-        read_metadata,
-        state_dict_part,
-    )
+    from dsdmerge._paths import replace_part, state_dict_part
+    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint, read_metadata
     from dsdmerge.report import render
 
     _trust_warning(args)

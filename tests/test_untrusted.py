@@ -472,6 +472,37 @@ def test_trusted_accepts_a_list_of_globals(tmp_path):
     assert out.exists()
 
 
+def test_every_reader_takes_trusted_in_one_type_checked_before_it_reads(tmp_path):
+    import inspect
+
+    from dsdmerge.integrations import _trust, load_dcp
+
+    readers = {
+        "read_metadata": lambda trusted: read_metadata(ckpt, trusted=trusted),
+        "load_checkpoint": lambda trusted: load_checkpoint(ckpt, trusted=trusted),
+        "load_dcp": lambda trusted: load_dcp(ckpt, target, trusted=trusted).state_dict,
+    }
+    for fn in (read_metadata, load_checkpoint, load_dcp):  # one annotation, one type
+        assert inspect.signature(fn).parameters["trusted"].annotation == "Trust", fn
+        assert vars(sys.modules[fn.__module__])["Trust"] is _trust.Trust, fn
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(2), "a": Sneaky()}, ckpt)
+    target = {"w": torch.zeros(2), "a": None}
+    for name, read in readers.items():
+        for bad in ("Sneaky", ["no.such.Thing"], [3], 3, None, "test_untrusted.Sneaky"):
+            with pytest.raises(dm.InvalidPolicyError, match="trusted"):
+                read(bad)
+            assert torch.equal(target["w"], torch.zeros(2)), (name, bad)  # nothing was read
+    # the default refuses the bytes entry; a list naming its class admits it, in every reader
+    assert read_metadata(ckpt)["a"] is CheckpointView.UNREAD  # not read: nothing to refuse
+    for name in ("load_checkpoint", "load_dcp"):
+        with pytest.raises(dm.UnsafeCheckpointError, match=r"test_untrusted\.Sneaky"):
+            readers[name](False)
+        assert readers[name](("test_untrusted.Sneaky",))["a"].x == 1, name
+        assert readers[name](["test_untrusted.Sneaky"])["a"].x == 1, name
+    assert read_metadata(ckpt, trusted=["test_untrusted.Sneaky"])["w"].shape == (2,)
+
+
 # -- 6. only DSDMergeError escapes ----------------------------------------------------------
 
 

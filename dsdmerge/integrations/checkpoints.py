@@ -35,6 +35,11 @@ Nothing here runs code from a checkpoint unless asked to with ``trusted=True``:
 Anything outside those allow-lists raises :class:`~dsdmerge.UnsafeCheckpointError`
 before it runs, naming what it needed; anything malformed raises
 :class:`~dsdmerge.CheckpointReadError`. No other exception leaves these readers.
+
+This module dispatches on the format and reads torch and safetensors files; DCP
+directories are read by :mod:`dsdmerge.integrations._dcp`, the ``trusted=`` rule is
+:mod:`dsdmerge.integrations._trust`, and the view is built in
+:mod:`dsdmerge.integrations._view`.
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ from typing import Any
 
 import torch
 
-from dsdmerge._paths import part_of, select_flat, top_level
+from dsdmerge._paths import select_flat
+from dsdmerge._paths import state_dict_part as _state_dict_part
 from dsdmerge.diff import TensorMeta
-from dsdmerge.errors import CheckpointReadError, LayoutError
+from dsdmerge.errors import CheckpointReadError
 from dsdmerge.flatten import flatten
 from dsdmerge.integrations._dcp import dcp_load_whole, dcp_part_layout, read_dcp_view
 from dsdmerge.integrations._files import (
@@ -254,18 +260,7 @@ def load_checkpoint(
             loaded = _hf_load(where)
         else:
             loaded = _safetensors_load(where)
-        return loaded if key is None else state_dict_part(where, loaded, key)
-
-
-def state_dict_part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
-    """The state dict at key path ``key`` of ``loaded`` (``where`` names the file in errors)."""
-    part = part_of(loaded, key)
-    if not isinstance(part, dict):
-        raise LayoutError(
-            f"{where}: key path {key!r} holds a value ({type(part).__name__}), not a state dict; "
-            f"name a part such as {top_level(loaded)}"
-        )
-    return part
+        return loaded if key is None else _state_dict_part(where, loaded, key)
 
 
 # --------------------------------------------------------------------------------------
@@ -322,7 +317,7 @@ def _torch_entries(
             f"{where}: holds a {type(loaded).__name__}, not a state dict", path=where
         )
     if key is not None:
-        loaded = state_dict_part(where, loaded, key)
+        loaded = _state_dict_part(where, loaded, key)
     entries = {key: _to_meta(value) for key, value in flatten(loaded).items()}
     return entries, classify(loaded)
 
@@ -385,6 +380,7 @@ _MOVED: dict[str, tuple[str, str, str]] = {
     "read_dcp_metadata": ("_dcp", "read_dcp_view", "read_metadata"),
     "run_dcp_load": ("_dcp", "dcp_load_into", "load_dcp or load_checkpoint"),
     "hf_shards": ("_files", "hf_shards", "read_metadata"),
+    "state_dict_part": ("_paths", "state_dict_part", "load_checkpoint(path, key=...)"),
     "tensor_metas": ("_view", "tensor_metas", "CheckpointView.values()"),
     "meta_nbytes": ("_view", "meta_nbytes", "CheckpointView.nbytes"),
 }
@@ -402,4 +398,5 @@ def __getattr__(name: str) -> Any:
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(importlib.import_module(f"dsdmerge.integrations.{module}"), new)
+    home = f"dsdmerge.{module}" if module == "_paths" else f"dsdmerge.integrations.{module}"
+    return getattr(importlib.import_module(home), new)
