@@ -19,7 +19,7 @@ from typing import Any
 
 from dsdmerge.errors import LayoutError
 
-__all__ = ["part_of", "replace_part", "select", "select_flat", "top_level"]
+__all__ = ["part_of", "replace_part", "select", "select_flat", "state_dict_part", "top_level"]
 
 
 def top_level(keys: Iterable[Any], /, *, limit: int = 12) -> str:
@@ -123,6 +123,17 @@ def part_of(tree: Mapping[Any, Any], path: str, /) -> Any:
     ):
         return select_flat(tree, path)
     return select(tree, path)
+
+
+def state_dict_part(where: str, loaded: Mapping[Any, Any], key: str) -> Any:
+    """The state dict at key path ``key`` of ``loaded`` (``where`` names the file in errors)."""
+    part = part_of(loaded, key)
+    if not isinstance(part, dict):
+        raise LayoutError(
+            f"{where}: key path {key!r} holds a value ({type(part).__name__}), not a state dict; "
+            f"name a part such as {top_level(loaded)}"
+        )
+    return part
 
 
 def replace_part(tree: Mapping[Any, Any], path: str, part: Any, /) -> dict[Any, Any]:

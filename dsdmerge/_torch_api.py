@@ -33,7 +33,7 @@ list (``_get_allowed_globals``)                    an empty set if it is missing
 ``DefaultLoadPlanner``'s ``mappings``, ``original_state_dict`` and
 ``flatten_state_dict`` attributes (undocumented, unchanged from 2.4 to 2.15) are read
 by the planner that loads bytes entries safely
-(:func:`dsdmerge.integrations.checkpoints.run_dcp_load`).
+(:func:`dsdmerge.integrations._dcp.dcp_load_into`).
 
 Names the DCP ``.metadata`` pickle itself holds (``torch.serialization._get_layout``,
 ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``,

@@ -330,7 +330,7 @@ def _summary(path: str, *, trusted: bool | list[str], key: str | None) -> _Summa
             return _Summary(path, fmt, "flat", metadata, tensors, list(entries))
     view = _view(path, trusted=trusted, key=key)
     from dsdmerge._text import dtype_name
-    from dsdmerge.integrations.checkpoints import meta_nbytes, tensor_metas
+    from dsdmerge.integrations._view import meta_nbytes, tensor_metas
 
     tensors = {}
     for k, value in view.items():
@@ -903,13 +903,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     import dsdmerge as dm
-    from dsdmerge._paths import replace_part
-    from dsdmerge.integrations.checkpoints import (
-        detect_format,
-        load_checkpoint,
-        read_metadata,
-        state_dict_part,
-    )
+    from dsdmerge._paths import replace_part, state_dict_part
+    from dsdmerge.integrations.checkpoints import detect_format, load_checkpoint, read_metadata
     from dsdmerge.report import render
 
     _trust_warning(args)

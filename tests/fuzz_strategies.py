@@ -282,9 +282,9 @@ class MetadataCase(_Case):
 
     def check_view(self, path: Path) -> None:
         # the safe reader accepted it: then torch's own unrestricted read gives the same
-        from dsdmerge.integrations.checkpoints import read_dcp_metadata
+        from dsdmerge.integrations._dcp import read_dcp_view
 
-        ours = read_dcp_metadata(str(path), trusted=False)[1]
+        ours = read_dcp_view(str(path), trusted=False)[1]
         theirs = pickle.loads(self.data)
         assert ours == theirs, f"{self!r}: the safe reader's Metadata differs from pickle's"
         if self.overlap:

@@ -365,3 +365,36 @@ def test_views_know_the_layout_the_checkpoint_was_saved_in(tmp_path):
         view = read_metadata(tmp_path / name)
         assert view.layout is layout, name
         assert dm.classify(view) is dm.Layout.FLAT  # the view itself is always flat
+
+
+def test_the_checkpoints_modules_old_internal_names_warn_and_still_work(tmp_path):
+    import warnings
+
+    from dsdmerge import _paths
+    from dsdmerge.integrations import _dcp, _files, _view, checkpoints
+
+    moved = {
+        "read_dcp_metadata": _dcp.read_dcp_view,
+        "run_dcp_load": _dcp.dcp_load_into,
+        "hf_shards": _files.hf_shards,
+        "tensor_metas": _view.tensor_metas,
+        "meta_nbytes": _view.meta_nbytes,
+        "state_dict_part": _paths.state_dict_part,
+    }
+    for name, new in moved.items():
+        match = f"dsdmerge.integrations.checkpoints.{name} is internal"
+        with pytest.warns(DeprecationWarning, match=match):
+            assert getattr(checkpoints, name) is new
+    dcp_save({"w": torch.ones(2)}, tmp_path)
+    with pytest.warns(DeprecationWarning, match="read_dcp_metadata is internal"):
+        read_dcp_metadata = checkpoints.read_dcp_metadata
+    view, metadata = read_dcp_metadata(str(tmp_path), trusted=False)
+    assert dict(view) == {"w": _view.TensorMeta((2,), torch.float32)}
+    assert list(metadata.state_dict_metadata) == ["w"]
+    with pytest.raises(AttributeError):
+        checkpoints.no_such_name  # noqa: B018
+    # what stays: the public names, and the placeholder older pickles of a view name here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert checkpoints.CheckpointView is _view.CheckpointView
+        assert pickle.loads(pickle.dumps(checkpoints.UNREAD)) is _view.UNREAD

@@ -66,7 +66,10 @@ LAYERS = [
     "dsdmerge.strategies",
     # integrations
     "dsdmerge.integrations._files",
+    "dsdmerge.integrations._trust",
+    "dsdmerge.integrations._view",
     "dsdmerge.integrations._dcp_metadata",
+    "dsdmerge.integrations._dcp",
     "dsdmerge.integrations._fresh",
     "dsdmerge.integrations._optim",
     "dsdmerge.integrations.checkpoints",

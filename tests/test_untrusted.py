@@ -27,7 +27,7 @@ from helpers import Evil, dcp_save
 import dsdmerge as dm
 from dsdmerge import _torch_api, cli
 from dsdmerge.integrations import CheckpointView, detect_format, load_checkpoint, read_metadata
-from dsdmerge.integrations.checkpoints import read_dcp_metadata, run_dcp_load
+from dsdmerge.integrations._dcp import dcp_load_into, read_dcp_view
 
 
 def run_here(*args: str) -> subprocess.CompletedProcess[str]:
@@ -282,10 +282,10 @@ def test_dcp_loads_check_every_storage_entry_before_dcp_reads(tmp_path):
     read_metadata(ckpt)  # metadata only: nothing read from data files
     with pytest.raises(dm.CheckpointReadError, match="outside the checkpoint directory"):
         load_checkpoint(ckpt)
-    _view, metadata = read_dcp_metadata(str(ckpt), trusted=False)
+    _view, metadata = read_dcp_view(str(ckpt), trusted=False)
     target = {"w": torch.zeros(4), "b": torch.zeros(2)}
     with pytest.raises(dm.CheckpointReadError, match="outside the checkpoint directory"):
-        run_dcp_load(
+        dcp_load_into(
             str(ckpt), target, metadata, trusted=False, allow_partial_load=False, no_dist=True
         )
     assert torch.equal(target["w"], torch.zeros(4))  # nothing was loaded
@@ -470,6 +470,37 @@ def test_trusted_accepts_a_list_of_globals(tmp_path):
     proc = run_here("merge", *args, "--safe-globals", "test_untrusted.Sneaky")
     assert proc.returncode == 0, proc.stderr
     assert out.exists()
+
+
+def test_every_reader_takes_trusted_in_one_type_checked_before_it_reads(tmp_path):
+    import inspect
+
+    from dsdmerge.integrations import _trust, load_dcp
+
+    readers = {
+        "read_metadata": lambda trusted: read_metadata(ckpt, trusted=trusted),
+        "load_checkpoint": lambda trusted: load_checkpoint(ckpt, trusted=trusted),
+        "load_dcp": lambda trusted: load_dcp(ckpt, target, trusted=trusted).state_dict,
+    }
+    for fn in (read_metadata, load_checkpoint, load_dcp):  # one annotation, one type
+        assert inspect.signature(fn).parameters["trusted"].annotation == "Trust", fn
+        assert vars(sys.modules[fn.__module__])["Trust"] is _trust.Trust, fn
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(2), "a": Sneaky()}, ckpt)
+    target = {"w": torch.zeros(2), "a": None}
+    for name, read in readers.items():
+        for bad in ("Sneaky", ["no.such.Thing"], [3], 3, None, "test_untrusted.Sneaky"):
+            with pytest.raises(dm.InvalidPolicyError, match="trusted"):
+                read(bad)
+            assert torch.equal(target["w"], torch.zeros(2)), (name, bad)  # nothing was read
+    # the default refuses the bytes entry; a list naming its class admits it, in every reader
+    assert read_metadata(ckpt)["a"] is CheckpointView.UNREAD  # not read: nothing to refuse
+    for name in ("load_checkpoint", "load_dcp"):
+        with pytest.raises(dm.UnsafeCheckpointError, match=r"test_untrusted\.Sneaky"):
+            readers[name](False)
+        assert readers[name](("test_untrusted.Sneaky",))["a"].x == 1, name
+        assert readers[name](["test_untrusted.Sneaky"])["a"].x == 1, name
+    assert read_metadata(ckpt, trusted=["test_untrusted.Sneaky"])["w"].shape == (2,)
 
 
 # -- 6. only DSDMergeError escapes ----------------------------------------------------------
@@ -678,11 +709,11 @@ def test_output_format_is_a_pure_function():
 
 
 def test_the_flat_view_shortcut_agrees_with_rebuilding_the_nesting(tmp_path):
-    from dsdmerge.integrations import checkpoints as c
+    from dsdmerge.integrations import _dcp as c
 
     sd = {"model": {"layers": {"0": {"w": torch.ones(2)}}, "head.b": torch.zeros(1)}, "step": 4}
     dcp_save(sd, tmp_path / "plain")
-    _view, md = read_dcp_metadata(str(tmp_path / "plain"), trusted=False)
+    _view, md = read_dcp_view(str(tmp_path / "plain"), trusted=False)
     paths = c._dcp_paths(md)
     assert c._plain_paths(paths)
     fast = c._dcp_entries(str(tmp_path / "plain"), md, trusted=False)
@@ -802,7 +833,7 @@ def test_param_groups_sharing_one_params_region_are_refused_in_bounded_time(tmp_
 
 
 def test_a_valid_nested_optimizer_view_reads_each_params_entry_once(tmp_path, monkeypatch):
-    from dsdmerge.integrations import checkpoints as c
+    from dsdmerge.integrations import _dcp as c
 
     ckpt = nested_optimizer_checkpoint(tmp_path / "ckpt")
     reads = []
@@ -899,7 +930,7 @@ def test_named_storage_classes_are_honoured_for_dcp_metadata(tmp_path, canary):
     view = read_metadata(ckpt, trusted=[OLMO_LIKE])
     assert view["model.weight"] == dm.TensorMeta((2, 3), torch.float32)
     assert "optim.param_groups.1.momentum" in view  # the params entry was read: ids [0, 1]
-    _view, md = read_dcp_metadata(str(ckpt), trusted=[OLMO_LIKE])
+    _view, md = read_dcp_view(str(ckpt), trusted=[OLMO_LIKE])
     assert {type(v) for v in md.storage_data.values()} == {OlmoLikeStorageInfo}
     assert RAN == []  # no code of the trusted class ran
     assert md == pickle.loads((ckpt / ".metadata").read_bytes())  # as torch's own reader
@@ -1027,7 +1058,7 @@ def test_a_strides_tuple_shared_between_tensors_reads_as_torch_reads_it(tmp_path
     hf.edit_metadata(ckpt, edit)
     data = (ckpt / ".metadata").read_bytes()
     assert data.count(b"\x86\x94t\x94b") == 1  # pickled once, fetched from the memo after
-    _view, md = read_dcp_metadata(str(ckpt), trusted=False)
+    _view, md = read_dcp_view(str(ckpt), trusted=False)
     assert md == pickle.loads(data)
     assert md.state_dict_metadata["b"].properties.strides == (3, 1)
     # a fetched tuple that holds more than ints is still refused

@@ -50,7 +50,8 @@ from dsdmerge._verdict import reshaped
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeError, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten
-from dsdmerge.integrations.checkpoints import Trust, run_dcp_load
+from dsdmerge.integrations._dcp import dcp_load_into
+from dsdmerge.integrations._trust import Trust
 from dsdmerge.policy import Policy
 from dsdmerge.resize import OnShapeMismatch, held_nbytes
 
@@ -222,7 +223,7 @@ def load_changed(
     empty = _empty_ids(result)
     gone = set(drop).union(surgical)
     _remove(result, target_flat, gone)
-    skipped = run_dcp_load(
+    skipped = dcp_load_into(
         where,
         result,
         metadata,
@@ -412,7 +413,7 @@ def _read(
         for k in keys
     }
     if buffers:
-        run_dcp_load(
+        dcp_load_into(
             where,
             buffers,
             metadata,

@@ -41,6 +41,7 @@ __all__ = [
     "HFLayout",
     "detect_format",
     "hf_header",
+    "hf_shards",
     "header_stats",
     "hf_layout",
     "plain_name",
@@ -462,6 +463,26 @@ def hf_header(
                 path=where,
             )
     return entries, metadata, shard_of
+
+
+def hf_shards(
+    path: str | os.PathLike[str], /
+) -> tuple[HFLayout, dict[str, str], dict[str, dict[str, str]]]:
+    """A Hugging Face directory's layout, each key's shard and each shard's ``__metadata__``.
+
+    What ``dsdmerge merge`` needs to write a result in the same sharded layout.
+    """
+    where = str(path)
+    with reading(where):
+        layout = hf_layout(where)
+        _entries, _metadata, shard_of = hf_header(layout, where=where)
+        from safetensors import safe_open
+
+        metadata: dict[str, dict[str, str]] = {}
+        for shard in layout.shards:
+            with safe_open(os.path.join(layout.directory, shard), framework="numpy") as f:
+                metadata[shard] = dict(f.metadata() or {})
+        return layout, shard_of, metadata
 
 
 def header_stats(entries: Mapping[str, tuple[tuple[int, ...], str]]) -> tuple[int, dict[str, int]]:

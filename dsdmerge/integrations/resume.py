@@ -86,6 +86,7 @@ from dsdmerge.convert import convert_checkpoint
 from dsdmerge.diff import KeyDiff
 from dsdmerge.errors import DSDMergeWarning, LayoutError, MergeError, StateDictTypeError
 from dsdmerge.flatten import flatten, unflatten
+from dsdmerge.integrations._dcp import dcp_load_into, read_dcp_view
 from dsdmerge.integrations._dcp_surgery import load_changed
 from dsdmerge.integrations._fresh import twin
 from dsdmerge.integrations._optim import (
@@ -101,7 +102,7 @@ from dsdmerge.integrations._optim import (
     param_fqns,
     uses_fsdp1,
 )
-from dsdmerge.integrations.checkpoints import Trust, read_dcp_metadata, run_dcp_load
+from dsdmerge.integrations._trust import Trust
 from dsdmerge.layout import (
     PARAM_GROUPS,
     PARAM_NAMES,
@@ -1111,7 +1112,7 @@ def load_dcp(
         on_shape_mismatch=on_shape_mismatch,
     )
     pol = merge_options.policy
-    view, metadata = read_dcp_metadata(where, trusted=trusted, storage_reader=storage_reader)
+    view, metadata = read_dcp_view(where, trusted=trusted, storage_reader=storage_reader)
     # Stateful values (a trainer's model / optimizer / lr_scheduler wrappers) stand for their
     # state_dict(), as in dcp.load, so the check sees their keys, not one opaque leaf each
     stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
@@ -1140,7 +1141,7 @@ def load_dcp(
         if diff.mismatched:
             shape = {m.key for m in diff.mismatched if reshaped(m)}
             _prune_tensors(target, expanded, shape)
-        skipped = run_dcp_load(
+        skipped = dcp_load_into(
             where,
             target,
             metadata,

@@ -256,7 +256,7 @@ def hf_plan(result: Mapping[str, Any], checkpoint: str, reference: str, ckpt_for
         CheckpointWriteError: A small file to copy is a link out of its directory or
             not a regular file.
     """
-    from dsdmerge.integrations.checkpoints import detect_format, hf_shards
+    from dsdmerge.integrations._files import detect_format, hf_shards
 
     ref_shard_of: dict[str, str] = {}
     ref_dir = None
