@@ -68,6 +68,7 @@ import itertools
 import operator
 import pathlib
 import pickle
+import platform
 import re
 import threading
 from collections.abc import Mapping
@@ -153,17 +154,35 @@ _ARG_TOKENS = (
 # (``((((),),),)`` nests tuples) except in a reduce call with one tuple argument,
 # ``(dims,)`` for torch.Size, and a tuple that ends a BUILD state (``(..., strides)``,
 # TensorProperties since torch 2.15); a FRAME (a length hint) does not stand before a MEMOIZE.
-_TOKEN = (
-    rb"(?:[\(Nb\x81\x88\x89\x93R\.\]\}]"
+_TOKEN_ALTS = (
+    rb"[\(Nb\x81\x88\x89\x93R\.\]\}]"
     rb"|[\)uesa](?!\x94)"
     rb"|\x94(?!\x94)"
     rb"|[" + _TUPLE_OPS + rb"]\x94\x85\x94R"
     rb"|[" + _TUPLE_OPS + rb"]\x94(?=t\x94b)"
     rb"|[" + _TUPLE_OPS + rb"]\x94(?![" + _TUPLE_OPS + rb"])"
     rb"|\x95.{8}(?!\x94)"
-    rb"|" + _ARG_TOKENS + rb")"
+    rb"|" + _ARG_TOKENS
 )
-_GRAMMAR = re.compile(_TOKEN + rb"*+", re.DOTALL)
+_TOKEN = rb"(?:" + _TOKEN_ALTS + rb")"
+
+# Every run of tokens is a possessive repetition ``(?:...)*+``: it keeps no backtracking
+# state, so a run of 10^7 tokens takes constant memory and linear time (a greedy ``*``, or
+# an atomic group ``(?>(?:...)*)``, keeps ~140 bytes of the regex engine's stack per token:
+# 2.7 GiB for a 20 MiB file of NONE opcodes). CPython 3.11.0 to 3.11.4 match it wrongly
+# (python/cpython#100061 and #106052, both fixed in 3.11.5): when the last attempt of the
+# repeated pattern fails part way through a token (``)`` whose lookahead sees a MEMOIZE,
+# a string cut short), the match goes on from where that attempt stopped, not from where
+# it began, so the run swallows part of a token, every later token is misaligned and the
+# file is refused. So each run's alternation ends with ``(?!)``, which never matches and
+# which the engine tries last, from the token's start (it skips an alternative that starts
+# with a literal or a set without trying it; this one starts with a lookahead): a failed
+# attempt then ends where it began, and the bug has nothing to carry. On a fixed Python it
+# changes nothing. Keep capture groups out of the runs (#101955: 3.11.7, 3.12.1 and 3.13.0
+# raise SystemError on a possessive repeat of an alternation that holds a group).
+# :func:`_grammar_fault` checks both patterns at import.
+_LAST_RESORT: Final = rb"|(?!)"
+_GRAMMAR = re.compile(rb"(?:" + _TOKEN_ALTS + _LAST_RESORT + rb")*+", re.DOTALL)
 _TOKEN_RE = re.compile(_TOKEN, re.DOTALL)
 
 _OPNAMES: Final = {
@@ -233,6 +252,7 @@ def _scan(data: bytes) -> list[bytes]:
 _RUN = (
     rb"((?:[\(Nb\x81\x88\x89\x93R\.]|[\]\}](?!\x94)|[\)uesa](?!\x94)|\x94(?!\x94)|"
     + _ARG_TOKENS
+    + _LAST_RESORT  # see _GRAMMAR: possessive runs on Python 3.11.0-3.11.4
     + rb")*+)"
 )
 _EVENTS = re.compile(
@@ -245,6 +265,35 @@ _EVENTS = re.compile(
     + rb"|([\]\}])\x94(?!\x94)|(\x95).{8}(?!\x94)|\Z|(.))",  # (.): a token it refuses
     re.DOTALL,
 )
+# Streams on which a possessive run that goes on from where a failed attempt stopped
+# (CPython 3.11.0-3.11.4 without _LAST_RESORT) ends elsewhere: the token it must stop
+# before, where the run must end, the byte the split must refuse there
+_PROBES: Final = (
+    (b"N)\x94.", 1, b")"),  # CLOSE: its lookahead fails after the ")" is read
+    (b"K\x01\x8c\x05ab", 2, b"\x8c"),  # a string cut short
+    (b"N\x8a\x0b" + bytes(11), 1, b"\x8a"),  # an int longer than any DCP writes
+)
+
+
+def _grammar_fault(grammar: re.Pattern[bytes], events: re.Pattern[bytes]) -> str | None:
+    """What ``grammar`` and ``events`` get wrong on :data:`_PROBES` (``None``: nothing).
+
+    Cheap (a few matches of a dozen bytes), so checked once at import: a regular
+    expression engine that misreads the grammar would refuse every file, or worse.
+    """
+    for data, end, refused in _PROBES:
+        found = grammar.match(data)
+        if found is None or found.end() != end:
+            return f"ends a run of {data!r} at {found and found.end()}, not {end}"
+        parts = events.split(data)
+        if parts[1:6] != [data[:end], None, None, None, refused]:
+            return f"splits {data!r} into {parts[:6]!r}"
+    return None
+
+
+_GRAMMAR_FAULT: Final = _grammar_fault(_GRAMMAR, _EVENTS)
+
+
 # a tuple's slot holds False (no value a tuple may be: a fetched tuple is refused wherever it
 # lands, even where an empty tuple would pass); a list's or dict's holds ()
 _POISON_TUPLE: Final[dict[Any, bytes]] = {
@@ -954,6 +1003,13 @@ def load_metadata(data: bytes, *, where: str, trusted: Mapping[str, type] | None
             allow-list, or uses an opcode DCP never writes (nothing has run).
         CheckpointReadError: The file is corrupt, truncated or not DCP metadata.
     """
+    if _GRAMMAR_FAULT is not None:
+        raise CheckpointReadError(
+            f"{where}: DCP metadata cannot be read safely on Python {platform.python_version()}: "
+            f"its re module misreads this reader's token grammar (it {_GRAMMAR_FAULT}); "
+            "use another Python (3.11.5 or newer)",
+            path=where,
+        )
     try:
         try:  # usually one pass; a long string or a refused token needs the careful scan
             if len(data) < 2 or data[0] != 0x80 or data[1] not in (2, 3, 4, 5):
