@@ -2,13 +2,15 @@
 
 Oracles here are pure torch: optimizer state compared by parameter name (every state
 key of every parameter, every hyperparameter of its group), model state bit for bit.
+The life of a resumed run (resume, step, compare, save; resume that save strictly, step,
+compare) is :func:`resume_twice`, over a trainer wrapped as a :class:`Trainer`.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -59,9 +61,61 @@ def assert_same_optimizer(got: Mapping[str, Any], want: Mapping[str, Any]) -> No
 
 
 def assert_same_model(got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    """Every key, every tensor bit for bit (dtype and shape too)."""
     assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
     differ = [k for k in want if not equal(got[k], want[k])]
     assert not differ, differ
+
+
+class Trainer(Protocol):
+    """A real trainer's run, as :func:`resume_twice` drives it (global steps count from 0).
+
+    ``steps(start, n)``: ``n`` training steps from global step ``start``, the trainer's way.
+    ``save(step)``: the trainer's checkpoint of global step ``step``. ``load(step)``: the
+    trainer's resume from that checkpoint (what it returns is handed to the test's check).
+    ``named()``: ``(model state, optimizer state with param_names)``, copied.
+    """
+
+    def steps(self, start: int, n: int, /) -> None: ...
+    def save(self, step: int, /) -> None: ...
+    def load(self, step: int, /) -> Any: ...
+    def named(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+
+def trained(run: Trainer, steps: int = 2) -> Trainer:
+    """``run`` (an old model's) trained from step 0 for ``steps`` steps, saved there."""
+    run.steps(0, steps)
+    run.save(steps)
+    return run
+
+
+def resume_twice(
+    resume: Callable[[Any], Trainer],
+    recipes: Sequence[Any],
+    want: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+    *,
+    at: int = 2,
+    check: Callable[[int, Trainer, Any], None] = lambda i, run, loaded: None,
+) -> None:
+    """The life of a resumed run: each resume steps twice, is compared, and saves.
+
+    For the ``i``-th recipe (the first resumes the old run's save at step ``at``; each
+    later one the save the one before it took): ``resume(recipe)`` builds a fresh run of the
+    new model, it loads the save, ``check(i, run, what load returned)`` asserts what the
+    test knows of that load, the run trains two steps and is compared bit for bit with
+    ``want[i]`` (the model's every key; the optimizer's every state key of every parameter
+    and every group's hyperparameters, by name), then saves two steps later.
+    """
+    assert len(recipes) == len(want), (len(recipes), len(want))
+    for i, (recipe, (want_model, want_optim)) in enumerate(zip(recipes, want, strict=True)):
+        step = at + 2 * i
+        run = resume(recipe)
+        check(i, run, run.load(step))
+        run.steps(step, 2)
+        got_model, got_optim = run.named()
+        assert_same_model(got_model, want_model)
+        assert_same_optimizer(got_optim, want_optim)
+        run.save(step + 2)
 
 
 def free_port() -> int:

@@ -22,12 +22,11 @@ from frameworks import (  # noqa: E402
     SCENARIOS,
     Net,
     adamw,
-    assert_same_model,
-    assert_same_optimizer,
     batch,
     equal,
     named_state,
     oracle,
+    resume_twice,
     snapshot,
 )
 
@@ -78,28 +77,49 @@ def olds(tmp_path_factory):
     return out
 
 
+class Run:
+    """A new model prepared with the recipe's hooks: the old save at step 2, its own later."""
+
+    def __init__(self, new_opts, recipe, old_path, folder):
+        self.accelerator, self.model, self.optimizer, hooks = prepared(
+            Net(**new_opts), recipe=recipe
+        )
+        self.o_hook, self.m_hook = hooks
+        self.prepared_diff = self.o_hook.diff  # what prepare()'s reload of the empty state did
+        self.old_path, self.folder = old_path, folder
+
+    def steps(self, start, n):
+        steps(self.accelerator, self.model, self.optimizer, start, n)
+
+    def load(self, step):
+        self.accelerator.load_state(str(self.old_path if step == 2 else self.folder / f"at{step}"))
+
+    def save(self, step):
+        self.accelerator.save_state(str(self.folder / f"at{step}"))
+        self.o_hook.remove()
+        self.m_hook.remove()
+
+    def named(self):
+        return self.model.state_dict(), named_state(self.model, self.optimizer.optimizer)
+
+
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_load_state_through_the_hooks(scenario, olds, tmp_path):
     _, new_opts, recipe = SCENARIOS[scenario]
     path, old = olds[scenario]
-    want = oracle(scenario, old)
+
+    def check(i, run, loaded):
+        assert run.prepared_diff is None  # prepare()'s reload of the empty state passed through
+        assert run.o_hook.loads == 1
+        assert run.m_hook.loads == 1
+
     again = {k: v for k, v in recipe.items() if k != "rename"}  # a rename is done once
-    source = path
-    for (want_model, want_optim), options in zip(want, (recipe, again), strict=True):
-        model = Net(**new_opts)
-        accelerator, model, optimizer, (o_hook, m_hook) = prepared(model, recipe=options)
-        assert o_hook.diff is None  # prepare()'s reload of the empty state passed through
-        accelerator.load_state(str(source))
-        assert o_hook.loads == 1
-        assert m_hook.loads == 1
-        start = 2 if source == path else 4
-        steps(accelerator, model, optimizer, start, 2)
-        assert_same_model(model.state_dict(), want_model)
-        assert_same_optimizer(named_state(model, optimizer.optimizer), want_optim)
-        source = tmp_path / f"at{start + 2}"
-        accelerator.save_state(str(source))
-        o_hook.remove()
-        m_hook.remove()
+    resume_twice(
+        lambda options: Run(new_opts, options, path, tmp_path),
+        [recipe, again],
+        oracle(scenario, old),
+        check=check,
+    )
 
 
 ALONE = {
