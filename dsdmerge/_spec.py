@@ -47,7 +47,7 @@ finds the unexpected keys and keeps them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from dsdmerge._groups import (
@@ -71,6 +71,7 @@ from dsdmerge.layout import (
     STATE_PREFIX,
     Layout,
     classify,
+    holds_hyperparameters,
     in_section,
     is_optimizer_section,
     is_optimizer_state_dict,
@@ -162,12 +163,14 @@ def flat(
             out.take_reference[m.key] = Slot(partial(merged.__setitem__, m.key), c[m.key], r[m.key])
     # rule 3b: a missing key whose reference tensor is the very tensor (same_view) of a key the
     # checkpoint has, the first in reference order, takes that key's value (neither of them a
-    # flattened optimizer's key)
+    # flattened optimizer's key). Whether a prefix holds hyperparameters is asked once per
+    # prefix (a scan of r each time made this cubic in the keys).
+    holds = cache(partial(holds_hyperparameters, r))
     for k in missing:
-        if in_section(r, k):
+        if in_section(r, k, holds):
             continue
         for k2, v2 in r.items():
-            if k2 in c and not in_section(r, k2) and same_view(r[k], v2):
+            if k2 in c and not in_section(r, k2, holds) and same_view(r[k], v2):
                 put = _nowhere if merged is None else partial(merged.__setitem__, k)
                 if merged is not None:
                     merged[k] = merged[k2]
