@@ -13,13 +13,14 @@ constant number of times, with no Python frame per key in the common case.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
-from itertools import chain, compress, count, islice, repeat
+from itertools import compress, count, islice, repeat
 from operator import contains, is_
 from typing import Any
 
-from dsdmerge._groups import Values, prefixed, proven_lazily, resolve
+from dsdmerge._groups import TypesAt, Values, prefixed, proven_lazily, resolve
 from dsdmerge._keys import (
     align,
     missing_in_union,
@@ -54,8 +55,10 @@ def flat_pass(
 
     ``picked``: 1 per tensor-like value of ``r``, whose types are among
     ``r_tensor_types``; ``groups``: the reference's param groups when it was nested
-    (lists of fqns), else ``None`` (inferred); ``kinds``: the type of each value of
-    ``c`` and of ``r``, if known (:func:`~dsdmerge._tensors.scan`). See the module
+    (lists of fqns), else ``None`` (inferred). ``kinds`` (the type of each value of
+    ``c`` and of ``r``, :func:`~dsdmerge._tensors.scan`'s) is not read: the group
+    proof makes the types of the chunks it reads, as fast as it would read them
+    from here, and a caller that drops its lists saves their memory. See the module
     docstring.
     """
     c_key_types: set[type] = set()
@@ -91,16 +94,10 @@ def flat_pass(
     del u_vals, r_vals
 
     def conflict_free() -> bool:
-        # the checkpoint's values (and types) at the reference's positions, read lazily:
-        # no list of them is made (see _conflict_free)
-        at_kinds = None
-        if kinds is not None:
-            c_kinds, r_kinds = kinds
-            at_kinds = (
-                partial(_at_positions, c_kinds, runs, len(r), object),
-                partial(iter, r_kinds),
-            )
+        # the checkpoint's values at the reference's positions, read lazily (no list of them),
+        # and their types as slices of the scan's lists, when given
         c_at_r = partial(values_at, c, r, runs, missing, MISSING)
+        at_kinds = None if kinds is None else (_Positions(kinds[0], runs), kinds[1])
         return _conflict_free(r, c_at_r, picked, _holes(runs, len(r)), at_kinds)
 
     return _finish(
@@ -274,44 +271,19 @@ def _holes(runs: list[tuple[int, int, int]], n: int) -> list[int]:
     return out
 
 
-def _at_positions(
-    items: list[Any], runs: list[tuple[int, int, int]], n: int, fill: Any
-) -> Iterator[Any]:
-    """Per reference position, the checkpoint's item in ``items`` (``fill`` where it lacks the key).
-
-    Lazily, as :func:`~dsdmerge._keys.values_at` reads values: ``items`` is a
-    per-value list of the checkpoint (its types), ``runs`` what
-    :func:`~dsdmerge._keys.align` found, ``n`` the reference's length.
-    """
-
-    def parts() -> Iterator[Iterable[Any]]:
-        it = iter(items)
-        at_c = at_r = 0
-        for i, j, length in runs:
-            if j > at_r:  # missing keys before this run
-                yield repeat(fill, j - at_r)
-            if i > at_c:  # skip the unexpected ones
-                next(islice(it, i - at_c, i - at_c), None)
-            yield islice(it, length)
-            at_c, at_r = i + length, j + length
-        if n > at_r:
-            yield repeat(fill, n - at_r)
-
-    return chain.from_iterable(parts())
-
-
 def _conflict_free(
     r: Mapping[str, Any],
     c_at_r: Values,
     picked: bytes,
     holes: list[int] | None = None,
-    kinds: tuple[Values, Values] | None = None,
+    kinds: tuple[_Positions, list[type]] | None = None,
 ) -> bool:
     """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
 
     ``c_at_r()``: the checkpoint's value at each reference position; ``holes``, if
     known: the positions where the checkpoint lacks the key (its value there may be
-    anything); ``kinds``, if known: the types of ``c_at_r()``'s values and of ``r``'s.
+    anything); ``kinds``, if known: the checkpoint's types at the reference's
+    positions, and the reference's types.
     Every side is read through iterators, a chunk at a time
     (:func:`~dsdmerge._groups.proven_lazily`): no list as long as ``r`` is made. A
     hyperparameter held as a tensor (some optimizers take a tensor ``lr``) is not
@@ -323,7 +295,7 @@ def _conflict_free(
     if first < 0:
         first = len(r)
     tail_holes = None
-    tail_kinds: tuple[Values, Values] | None = None
+    types_at: TypesAt | None = None
     if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
         tensor_keys: Iterable[str] = islice(r, first)
         r_vals: Values = partial(islice, r.values(), first, None)
@@ -333,10 +305,10 @@ def _conflict_free(
             tail_holes = [p - first for p in holes if p >= first]
         if kinds is not None:
             c_kinds, r_kinds = kinds
-            tail_kinds = (
-                lambda: islice(r_kinds(), first, None),
-                lambda: islice(c_kinds(), first, None),
-            )
+
+            def types_at(a: int, b: int) -> tuple[list[type], list[type]]:
+                return r_kinds[first + a : first + b], c_kinds.slice(first + a, first + b)
+
     else:
         others = picked.translate(_INVERT)
         tensor_keys = compress(r, picked)
@@ -351,16 +323,45 @@ def _conflict_free(
                 at = p
                 if others[p]:
                     tail_holes.append(before)
-        if kinds is not None:
-            c_kinds, r_kinds = kinds
-            tail_kinds = (
-                lambda: compress(r_kinds(), others),
-                lambda: compress(c_kinds(), others),
-            )
     if any(map(contains, tensor_keys, repeat(_PG))):
         return False
     n = len(r) - picked.count(1)
-    return proven_lazily(r_vals, c_vals, n, _period(keys), holes=tail_holes, kinds=tail_kinds)
+    return proven_lazily(r_vals, c_vals, n, _period(keys), holes=tail_holes, kinds=types_at)
+
+
+class _Positions:
+    """A checkpoint's per-value list (its types) read at the reference's positions, by slices.
+
+    ``runs`` as :func:`~dsdmerge._keys.align` found them; ``object`` where the
+    checkpoint lacks the key.
+    """
+
+    def __init__(self, items: list[Any], runs: list[tuple[int, int, int]]) -> None:
+        self.items = items
+        self.runs = runs
+        self.starts = [j for _, j, _ in runs]
+
+    def slice(self, a: int, b: int) -> list[Any]:
+        """The items at reference positions ``a`` to ``b``."""
+        runs, pos = self.runs, a
+        out: list[Any] = []
+        x = max(bisect_right(self.starts, a) - 1, 0)
+        while pos < b:
+            if x == len(runs):
+                out += repeat(object, b - pos)
+                break
+            i, j, n = runs[x]
+            if pos < j:  # missing keys before this run
+                end = min(b, j)
+                out += repeat(object, end - pos)
+                pos = end
+            elif pos < j + n:
+                end = min(b, j + n)
+                out += self.items[i + pos - j : i + end - j]
+                pos = end
+            else:
+                x += 1
+        return out
 
 
 def _period(keys: Iterable[str]) -> int:

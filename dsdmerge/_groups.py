@@ -87,6 +87,8 @@ __all__ = [
     "DISAGREE",
     "NESTED_PG",
     "Settled",
+    "TypesAt",
+    "Values",
     "backfill",
     "disagreement",
     "equal_hyperparameters",
@@ -439,6 +441,8 @@ def disagreement(
 
 Values = Callable[[], Iterator[Any]]
 """A sequence of values given as a maker of fresh iterators over it (each call, a new one)."""
+TypesAt = Callable[[int, int], tuple[list[type], list[type]]]
+"""``(a, b) ->`` the types of the two sides' values at positions ``a`` to ``b`` (lists)."""
 
 
 def proven_consistent(
@@ -472,7 +476,7 @@ def proven_consistent(
         n,
         period,
         holes=holes,
-        kinds=None if kinds is None else (partial(iter, kinds[0]), partial(iter, kinds[1])),
+        kinds=None if kinds is None else partial(_slices, kinds[0], kinds[1]),
     )
 
 
@@ -483,7 +487,7 @@ def proven_lazily(
     period: int,
     *,
     holes: list[int] | None = None,
-    kinds: tuple[Values, Values] | None = None,
+    kinds: TypesAt | None = None,
 ) -> bool:
     """:func:`proven_consistent` of ``n`` values a side, read through iterators.
 
@@ -491,8 +495,9 @@ def proven_lazily(
     thousand items, whatever ``n``): first by blocks of rows, when they have torch's
     shape (:func:`_proven_by_blocks`); if not, by runs (:func:`_proven_by_runs`,
     which takes both sides whole). ``holes``: positions the checkpoint lacks, in
-    order (there ``c_values`` may hold anything, ``MISSING`` for one); ``kinds``:
-    the types of the two sides' values, if known (else each chunk's are made).
+    order (there ``c_values`` may hold anything, ``MISSING`` for one); ``kinds``,
+    if given: the types of the two sides' values in a range of positions, as slices
+    of lists the caller has (else each chunk's are made, a C-level pass each).
     """
     by_blocks = _proven_by_blocks(
         r_values(),
@@ -500,11 +505,18 @@ def proven_lazily(
         n,
         period,
         holes or [],
-        None if kinds is None else (kinds[0](), kinds[1]()),
+        kinds,
     )
     if by_blocks is not None:
         return by_blocks
     return _proven_by_runs(list(r_values()), list(c_values()), period)
+
+
+def _slices(
+    r_kinds: list[type], c_kinds: list[type], a: int, b: int
+) -> tuple[list[type], list[type]]:
+    """The :data:`TypesAt` of two lists of types."""
+    return r_kinds[a:b], c_kinds[a:b]
 
 
 def _proven_by_runs(r_values: list[Any], c_values: list[Any], period: int) -> bool:
@@ -659,10 +671,11 @@ class _Block:
         gone = set(gaps)
         if not self.c_row:  # the block starts here
             self.c_row, self.c_types = c[:k], c_types[:k]
-            self.unknown = [p for p in gaps if p < k]
+            self.unknown = [p for p in gaps if p < k] if gaps else []
             for p in self.unknown:
                 self.c_row[p], self.c_types[p] = MISSING, object
-            if not _all_plain([v for v in self.c_row if v is not MISSING]):
+            known = filterfalse(partial(is_, MISSING), self.c_row) if self.unknown else None
+            if not _all_plain(self.c_row if known is None else list(known)):
                 return None
         if self.unknown and not self._learn(c, c_types, k, gone):
             return None
@@ -727,7 +740,7 @@ def _proven_by_blocks(
     n: int,
     k: int,
     holes: list[int],
-    kinds: tuple[Iterator[type], Iterator[type]] | None = None,
+    kinds: TypesAt | None = None,
 ) -> bool | None:
     """:func:`proven_consistent` by blocks of rows, in C-level list comparisons.
 
@@ -745,14 +758,13 @@ def _proven_by_blocks(
     condition is name-free) must hold same_value checkpoint values. At a hole (a
     position the checkpoint lacks, where no member holds a value) the block's value
     for that column stands in, from its first row that has one. ``kinds``: the two
-    sides' types, if known (else each chunk's are made). ``True``: proven;
+    sides' types by ranges, if known (else each chunk's are made). ``True``: proven;
     ``False``: not proven (the exact check decides); ``None``: not this shape (the
     run-by-run proof tries).
     """
     if not n or k < 1 or n % k:
         return None
     rows = n // k
-    r_kinds, c_kinds = kinds if kinds is not None else (None, None)
     per = max(1, _CHUNK // k)  # rows a chunk
     blocks: list[_Block] = []
     h = 0  # the next hole
@@ -762,14 +774,16 @@ def _proven_by_blocks(
             size = m * k
             r = list(islice(r_values, size))
             c = list(islice(c_values, size))
-            r_types = list(map(type, r)) if r_kinds is None else list(islice(r_kinds, size))
-            c_types = list(map(type, c)) if c_kinds is None else list(islice(c_kinds, size))
+            if kinds is None:
+                r_types, c_types = list(map(type, r)), list(map(type, c))
+            else:
+                r_types, c_types = kinds(top * k, top * k + size)
             if not len(r) == len(c) == len(r_types) == len(c_types) == size:
                 return None  # fewer values than said
             lo, base = h, top * k
             while h < len(holes) and holes[h] < base + size:
                 h += 1
-            gaps = [p - base for p in holes[lo:h]]
+            gaps = [p - base for p in holes[lo:h]] if h > lo else []
             pos = 0
             while pos < m:
                 if blocks and (r if not pos else r[pos * k :]) == blocks[-1].r_row * (m - pos):
@@ -794,7 +808,7 @@ def _proven_by_blocks(
                     c if whole else c[a:b],
                     c_types if whole else c_types[a:b],
                     k,
-                    [p - a for p in gaps if a <= p < b],
+                    [p - a for p in gaps if a <= p < b] if gaps else gaps,
                 )
                 if verdict is not True:
                     return verdict
