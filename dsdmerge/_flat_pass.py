@@ -13,16 +13,16 @@ constant number of times, with no Python frame per key in the common case.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import compress, count, islice, repeat
 from operator import contains, is_
 from typing import Any
 
-from dsdmerge._groups import prefixed, proven_consistent, resolve
+from dsdmerge._groups import TypesAt, Values, prefixed, proven_lazily, resolve
 from dsdmerge._keys import (
     align,
-    at_positions,
     missing_in_union,
     require_str_keys,
     union,
@@ -55,8 +55,10 @@ def flat_pass(
 
     ``picked``: 1 per tensor-like value of ``r``, whose types are among
     ``r_tensor_types``; ``groups``: the reference's param groups when it was nested
-    (lists of fqns), else ``None`` (inferred); ``kinds``: the type of each value of
-    ``c`` and of ``r``, if known (:func:`~dsdmerge._tensors.scan`). See the module
+    (lists of fqns), else ``None`` (inferred). ``kinds`` (the type of each value of
+    ``c`` and of ``r``, :func:`~dsdmerge._tensors.scan`'s) is not read: the group
+    proof makes the types of the chunks it reads, as fast as it would read them
+    from here, and a caller that drops its lists saves their memory. See the module
     docstring.
     """
     c_key_types: set[type] = set()
@@ -84,23 +86,19 @@ def flat_pass(
     u_vals: list[Any] = []
     if merge:
         merged = merged_dict(c, r, missing, unexpected, keep_unexpected)
-    # the checkpoint's values at the reference's positions (the reference's own where the
-    # checkpoint lacks the key), all of them when groups are looked at (see _finish)
-    at_r: list[Any] | None = None
-    r_list: list[Any] = []
-    if merge or conflicts:
-        r_list = list(r.values())
-        at_r = at_positions(list(c.values()), r_list, runs)
     if 1 in picked:  # at the reference's tensor positions
-        u_vals = list(compress(values_at(c, r, runs, missing) if at_r is None else at_r, picked))
+        u_vals = list(compress(values_at(c, r, runs, missing), picked))
     if u_vals:
-        r_vals = list(compress(r_list or r.values(), picked))
+        r_vals = list(compress(r.values(), picked))
     mismatches = tensor_mismatches(r, picked, u_vals, r_vals, r_tensor_types, key_prefix)
+    del u_vals, r_vals
 
     def conflict_free() -> bool:
-        assert at_r is not None
-        at_kinds = None if kinds is None else (at_positions(kinds[0], kinds[1], runs), kinds[1])
-        return _conflict_free(r, at_r, picked, _holes(runs, len(r)), r_list, at_kinds)
+        # the checkpoint's values at the reference's positions, read lazily (no list of them),
+        # and their types as slices of the scan's lists, when given
+        c_at_r = partial(values_at, c, r, runs, missing, MISSING)
+        at_kinds = None if kinds is None else (_Positions(kinds[0], runs), kinds[1])
+        return _conflict_free(r, c_at_r, picked, _holes(runs, len(r)), at_kinds)
 
     return _finish(
         c,
@@ -113,7 +111,7 @@ def flat_pass(
         conflicts=conflicts,
         groups=groups,
         c_at_r=lambda: values_at(c, r, runs, missing, MISSING),
-        conflict_free=None if at_r is None else conflict_free,
+        conflict_free=conflict_free if merge or conflicts else None,
     )
 
 
@@ -158,7 +156,7 @@ def _by_union(
         picked=picked,
         conflicts=conflicts,
         groups=groups,
-        conflict_free=lambda: _conflict_free(r, list(islice(joined.values(), len(r))), picked),
+        conflict_free=lambda: _conflict_free(r, partial(islice, joined.values(), len(r)), picked),
     )
 
 
@@ -275,20 +273,21 @@ def _holes(runs: list[tuple[int, int, int]], n: int) -> list[int]:
 
 def _conflict_free(
     r: Mapping[str, Any],
-    at_r: list[Any],
+    c_at_r: Values,
     picked: bytes,
     holes: list[int] | None = None,
-    r_list: list[Any] | None = None,
-    kinds: tuple[list[type], list[type]] | None = None,
+    kinds: tuple[_Positions, list[type]] | None = None,
 ) -> bool:
     """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
 
-    ``at_r``: the checkpoint's value at each reference position; ``holes``, if known:
-    the positions where the checkpoint lacks the key (its value there is the
-    reference's); ``r_list``: ``r``'s values, if made; ``kinds``: the types of
-    ``at_r``'s and ``r``'s values, if known. A hyperparameter held as a tensor (some
-    optimizers take a tensor ``lr``) is not covered: when a tensor's key names param
-    groups, nothing is proven.
+    ``c_at_r()``: the checkpoint's value at each reference position; ``holes``, if
+    known: the positions where the checkpoint lacks the key (its value there may be
+    anything); ``kinds``, if known: the checkpoint's types at the reference's
+    positions, and the reference's types.
+    Every side is read through iterators, a chunk at a time
+    (:func:`~dsdmerge._groups.proven_lazily`): no list as long as ``r`` is made. A
+    hyperparameter held as a tensor (some optimizers take a tensor ``lr``) is not
+    covered: when a tensor's key names param groups, nothing is proven.
     """
     if len(picked) != len(r):  # no tensor-like type at all (see _engine.run)
         picked = bytes(len(r))
@@ -296,24 +295,73 @@ def _conflict_free(
     if first < 0:
         first = len(r)
     tail_holes = None
-    tail_kinds = None
+    types_at: TypesAt | None = None
     if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
         tensor_keys: Iterable[str] = islice(r, first)
-        r_vals = (r_list or list(r.values()))[first:]  # (faster than an islice)
-        c_vals = at_r[first:]
+        r_vals: Values = partial(islice, r.values(), first, None)
+        c_vals: Values = lambda: islice(c_at_r(), first, None)  # noqa: E731
         keys: Iterable[str] = islice(r, first, None)
         if holes is not None:
             tail_holes = [p - first for p in holes if p >= first]
         if kinds is not None:
-            tail_kinds = (kinds[1][first:], kinds[0][first:])
+            c_kinds, r_kinds = kinds
+
+            def types_at(a: int, b: int) -> tuple[list[type], list[type]]:
+                return r_kinds[first + a : first + b], c_kinds.slice(first + a, first + b)
+
     else:
         others = picked.translate(_INVERT)
         tensor_keys = compress(r, picked)
-        r_vals, c_vals = list(compress(r.values(), others)), list(compress(at_r, others))
+        r_vals = partial(compress, r.values(), others)
+        c_vals = lambda: compress(c_at_r(), others)  # noqa: E731
         keys = compress(r, others)
+        if holes is not None:  # their places among the others
+            tail_holes = []
+            before = at = 0
+            for p in holes:
+                before += others.count(1, at, p)
+                at = p
+                if others[p]:
+                    tail_holes.append(before)
     if any(map(contains, tensor_keys, repeat(_PG))):
         return False
-    return proven_consistent(r_vals, c_vals, _period(keys), holes=tail_holes, kinds=tail_kinds)
+    n = len(r) - picked.count(1)
+    return proven_lazily(r_vals, c_vals, n, _period(keys), holes=tail_holes, kinds=types_at)
+
+
+class _Positions:
+    """A checkpoint's per-value list (its types) read at the reference's positions, by slices.
+
+    ``runs`` as :func:`~dsdmerge._keys.align` found them; ``object`` where the
+    checkpoint lacks the key.
+    """
+
+    def __init__(self, items: list[Any], runs: list[tuple[int, int, int]]) -> None:
+        self.items = items
+        self.runs = runs
+        self.starts = [j for _, j, _ in runs]
+
+    def slice(self, a: int, b: int) -> list[Any]:
+        """The items at reference positions ``a`` to ``b``."""
+        runs, pos = self.runs, a
+        out: list[Any] = []
+        x = max(bisect_right(self.starts, a) - 1, 0)
+        while pos < b:
+            if x == len(runs):
+                out += repeat(object, b - pos)
+                break
+            i, j, n = runs[x]
+            if pos < j:  # missing keys before this run
+                end = min(b, j)
+                out += repeat(object, end - pos)
+                pos = end
+            elif pos < j + n:
+                end = min(b, j + n)
+                out += self.items[i + pos - j : i + end - j]
+                pos = end
+            else:
+                x += 1
+        return out
 
 
 def _period(keys: Iterable[str]) -> int:

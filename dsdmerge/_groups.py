@@ -54,11 +54,10 @@ checkpoint) get the same treatment (:func:`prefixed`).
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
-from itertools import compress, count, filterfalse, islice, pairwise, repeat
-from operator import contains, is_, is_not, itemgetter
+from itertools import chain, compress, count, filterfalse, islice, pairwise, repeat
+from operator import contains, is_, is_not, itemgetter, ne
 from typing import Any, NamedTuple
 
 from dsdmerge._records import Outcome
@@ -88,6 +87,8 @@ __all__ = [
     "DISAGREE",
     "NESTED_PG",
     "Settled",
+    "TypesAt",
+    "Values",
     "backfill",
     "disagreement",
     "equal_hyperparameters",
@@ -100,6 +101,7 @@ __all__ = [
     "moved_in",
     "prefixed",
     "proven_consistent",
+    "proven_lazily",
     "resolve",
     "settle",
     "settle_all",
@@ -437,32 +439,10 @@ def disagreement(
     return text
 
 
-def _filled(
-    c_values: list[Any],
-    k: int,
-    blocks: list[tuple[int, int]],
-    holes: list[int],
-    absent: set[tuple[int, int]],
-) -> list[Any]:
-    """A copy of ``c_values`` with each hole holding its block's value for that column.
-
-    The value is the one at the block's first row that has the column; a (block,
-    column) that no row has goes into ``absent`` (its holes hold ``None``).
-    """
-    out = list(c_values)
-    gone = set(holes)
-    starts = [start for start, _ in blocks]
-    for p in holes:
-        row, j = divmod(p, k)
-        b = bisect_right(starts, row) - 1
-        start, end = blocks[b]
-        at = next((q for q in range(start * k + j, end * k, k) if q not in gone), None)
-        if at is None:
-            absent.add((start, j))
-            out[p] = None
-        else:
-            out[p] = c_values[at]
-    return out
+Values = Callable[[], Iterator[Any]]
+"""A sequence of values given as a maker of fresh iterators over it (each call, a new one)."""
+TypesAt = Callable[[int, int], tuple[list[type], list[type]]]
+"""``(a, b) ->`` the types of the two sides' values at positions ``a`` to ``b`` (lists)."""
 
 
 def proven_consistent(
@@ -483,21 +463,75 @@ def proven_consistent(
     Members of one group have equal reference values for each hyperparameter
     (inferred groups by definition; given groups share their group's value
     objects), so then none of them disagree. ``False`` means "not proven": the
-    exact, group-by-group check decides.
+    exact, group-by-group check decides. ``holes``: the positions the checkpoint
+    lacks, in order (left out); ``kinds``: the types of ``r_values`` and
+    ``c_values``, if known. :func:`proven_lazily` says how.
+    """
+    n = len(r_values)
+    if len(c_values) != n:
+        return False
+    return proven_lazily(
+        partial(iter, r_values),
+        partial(iter, c_values),
+        n,
+        period,
+        holes=holes,
+        kinds=None if kinds is None else partial(_slices, kinds[0], kinds[1]),
+    )
 
-    How: the positions are sliced by ``period`` (in torch's layout, one slice per
+
+def proven_lazily(
+    r_values: Values,
+    c_values: Values,
+    n: int,
+    period: int,
+    *,
+    holes: list[int] | None = None,
+    kinds: TypesAt | None = None,
+) -> bool:
+    """:func:`proven_consistent` of ``n`` values a side, read through iterators.
+
+    The values are read a chunk at a time (the memory is a few lists of a few
+    thousand items, whatever ``n``): first by blocks of rows, when they have torch's
+    shape (:func:`_proven_by_blocks`); if not, by runs (:func:`_proven_by_runs`,
+    which takes both sides whole). ``holes``: positions the checkpoint lacks, in
+    order (there ``c_values`` may hold anything, ``MISSING`` for one); ``kinds``,
+    if given: the types of the two sides' values in a range of positions, as slices
+    of lists the caller has (else each chunk's are made, a C-level pass each).
+    """
+    by_blocks = _proven_by_blocks(
+        r_values(),
+        c_values(),
+        n,
+        period,
+        holes or [],
+        kinds,
+    )
+    if by_blocks is not None:
+        return by_blocks
+    return _proven_by_runs(list(r_values()), list(c_values()), period)
+
+
+def _slices(
+    r_kinds: list[type], c_kinds: list[type], a: int, b: int
+) -> tuple[list[type], list[type]]:
+    """The :data:`TypesAt` of two lists of types."""
+    return r_kinds[a:b], c_kinds[a:b]
+
+
+def _proven_by_runs(r_values: list[Any], c_values: list[Any], period: int) -> bool:
+    """:func:`proven_consistent` by runs of one reference object, column by column.
+
+    The positions are sliced by ``period`` (in torch's layout, one slice per
     hyperparameter), each slice cut into runs of one reference object; a run whose
     checkpoint values are all equal (one object, or ``==`` between values of one
     plain scalar type) is summarised by one (reference, checkpoint) pair, and the
-    pairs of equal reference values must have equal checkpoint values. First, when
-    the values have torch's shape, the same by blocks of rows (:func:`_proven_by_blocks`),
-    where ``holes`` (positions the checkpoint lacks, in order) are left out;
-    ``kinds``, if known: the types of ``r_values`` and ``c_values``.
+    pairs of equal reference values must have equal checkpoint values.
     """
-    by_blocks = _proven_by_blocks(r_values, c_values, period, holes or [], kinds)
-    if by_blocks is not None:
-        return by_blocks
-    pairs: list[tuple[Any, Any]] = []
+    if len(c_values) != len(r_values):
+        return False
+    r_reps: list[Any] = []
+    c_reps: list[Any] = []
     try:
         for j in range(period):
             r_col, c_col = r_values[j::period], c_values[j::period]
@@ -508,7 +542,7 @@ def proven_consistent(
             else:  # where the reference object changes
                 cuts = [0, *compress(count(1), map(is_not, islice(r_col, 1, None), r_col))]
                 cuts.append(len(r_col))
-            if len(pairs) + len(cuts) > _PROOF_RUNS:
+            if len(r_reps) + len(cuts) > _PROOF_RUNS:
                 return False
             for start, end in pairwise(cuts):
                 run = c_col[start:end]
@@ -522,118 +556,280 @@ def proven_consistent(
                     )
                 ):
                     return False
-                pairs.append((r_col[start], first))
-        held: dict[Any, Any] = {}
-        for rv, cv in pairs:
-            first = held.setdefault(freeze(rv), cv)
-            if first is not cv and not same_value(first, cv):
-                return False
+                r_reps.append(r_col[start])
+                c_reps.append(first)
+        return _pairs_agree(r_reps, c_reps)
     except Exception:  # an exotic value (its == or hash raises): not proven  # noqa: BLE001
         return False
-    return True
 
 
 # Values of these types that are == and of one type are same_value (NaN is never == itself).
 _EXACT = frozenset({float, int, bool, str, type(None)})
+_PLAIN = _EXACT | {tuple}
 _PROOF_RUNS = 4096  # runs summarised at most: beyond, the exact check is cheaper
 _BLOCKS = 256  # blocks of equal reference rows the block proof takes at most
+_CHUNK = 1 << 13  # values of a side the block proof reads at a time (at least one row)
+_IDS = 64  # distinct tuple objects the block proof compares in one column of a block
 
 
-def _plain(value: Any) -> bool:
-    """A value the block proof reads: a plain scalar, or a short flat tuple of them."""
-    tp = type(value)
-    return tp in _EXACT or (
-        tp is tuple and len(value) <= 16 and all(type(x) in _EXACT for x in value)
-    )
+def _all_plain(values: list[Any]) -> bool:
+    """Whether every value is plain: a scalar of :data:`_EXACT`, or a flat tuple of them.
+
+    (At most 16 items a tuple.) In C-level passes, no call per value.
+    """
+    kinds = list(map(type, values))
+    present = set(kinds)
+    if present <= _EXACT:
+        return True
+    if not present <= _PLAIN:
+        return False
+    tuples = list(compress(values, map(is_, kinds, repeat(tuple))))
+    return max(map(len, tuples)) <= 16 and set(map(type, chain.from_iterable(tuples))) <= _EXACT
+
+
+def _plain_keys(values: list[Any]) -> list[Any] | None:
+    """Hashable keys, equal exactly where the values are :func:`same_value`, if all are plain.
+
+    ``None`` when some value is not plain (:func:`_all_plain`) or is or holds a NaN.
+    A scalar's key is ``(type, value, None)``; a tuple's ``(tuple, value, item types)``.
+    Made in C-level passes (no call per value): where every value is plain and no NaN,
+    ``==`` of one type (and, in tuples, of the items' types) is ``same_value``.
+    """
+    if not _all_plain(values):
+        return None
+    kinds = list(map(type, values))
+    if any(map(ne, values, values)):  # a NaN
+        return None
+    extra: Iterable[Any] = repeat(None)
+    if tuple in kinds:
+        is_tuple = list(map(is_, kinds, repeat(tuple)))
+        tuples = list(compress(values, is_tuple))
+        items = list(chain.from_iterable(tuples))
+        if any(map(ne, items, items)):  # a NaN inside a tuple (a tuple is == itself by identity)
+            return None
+        item_types = iter(list(map(tuple, map(partial(map, type), tuples))))
+        extra = [next(item_types) if t else None for t in is_tuple]
+    return list(zip(kinds, values, extra, strict=False))  # (extra: endless when no tuple)
+
+
+def _pairs_agree(r_values: list[Any], c_values: list[Any]) -> bool:
+    """Whether positions whose reference values are same_value hold same_value checkpoint values.
+
+    For plain values in C-level passes (:func:`_plain_keys`: each reference key must
+    pair with one checkpoint key); else value by value (:func:`_class_key`).
+    """
+    r_keys = _plain_keys(r_values)
+    c_keys = None if r_keys is None else _plain_keys(c_values)
+    if r_keys is not None and c_keys is not None:
+        return len(set(zip(r_keys, c_keys, strict=True))) == len(set(r_keys))
+    held: dict[Any, Any] = {}
+    for rv, cv in zip(r_values, c_values, strict=True):
+        first = held.setdefault(_class_key(rv), cv)
+        if first is not cv and not same_value(first, cv):
+            return False
+    return True
+
+
+class _Block:
+    """A block of equal reference rows, as the block proof reads it, chunk after chunk.
+
+    ``r_row``, ``r_types``: the block's first reference row and its types; ``c_row``,
+    ``c_types``: the checkpoint row every row of the block must equal, each column's
+    value the first row's that has the key (``MISSING`` and ``object`` while none
+    has); ``r_ids``, ``c_ids``: per tuple column, the distinct tuple objects seen
+    (``==`` says nothing of the items' types: each object is compared once, at the end).
+    """
+
+    __slots__ = ("c_ids", "c_row", "c_types", "r_ids", "r_row", "r_types", "unknown")
+
+    def __init__(self, r_row: list[Any], r_types: list[type]) -> None:
+        self.r_row = r_row
+        self.r_types = r_types
+        self.c_row: list[Any] = []
+        self.c_types: list[type] = []
+        self.r_ids: dict[int, dict[int, Any]] = {}
+        self.c_ids: dict[int, dict[int, Any]] = {}
+        self.unknown: list[int] = []  # the columns of c_row no row has given yet
+
+    def take(
+        self,
+        r_types: list[type],
+        r: list[Any],
+        c: list[Any],
+        c_types: list[type],
+        k: int,
+        gaps: list[int],
+    ) -> bool | None:
+        """Rows of the block (``r`` equal to its first row; ``gaps``: the holes among ``c``).
+
+        ``True`` when they pass; else the proof's verdict (see :func:`_proven_by_blocks`):
+        ``None`` (not this shape) or ``False`` (the checkpoint's rows differ).
+        """
+        rows = len(r) // k
+        if r_types != self.r_types * rows or not _note_tuples(self.r_ids, r, self.r_types, k):
+            return None  # equal values of other types in a block: the run-by-run proof
+        gone = set(gaps)
+        if not self.c_row:  # the block starts here
+            self.c_row, self.c_types = c[:k], c_types[:k]
+            self.unknown = [p for p in gaps if p < k] if gaps else []
+            for p in self.unknown:
+                self.c_row[p], self.c_types[p] = MISSING, object
+            known = filterfalse(partial(is_, MISSING), self.c_row) if self.unknown else None
+            if not _all_plain(self.c_row if known is None else list(known)):
+                return None
+        if self.unknown and not self._learn(c, c_types, k, gone):
+            return None
+        if gaps:  # the holes get the block's values
+            c, c_types = list(c), list(c_types)
+            for p in gaps:
+                c[p], c_types[p] = self.c_row[p % k], self.c_types[p % k]
+        if c != self.c_row * rows or c_types != self.c_types * rows:
+            return False
+        return _note_tuples(self.c_ids, c, self.c_types, k)
+
+    def _learn(self, c: list[Any], c_types: list[type], k: int, gone: set[int]) -> bool:
+        """The columns no row of the block had the key for so far: their first value here."""
+        left = []
+        for j in self.unknown:
+            at = next((q for q in range(j, len(c), k) if q not in gone), None)
+            if at is None:
+                left.append(j)
+            elif not _all_plain([c[at]]):
+                return False
+            else:
+                self.c_row[j], self.c_types[j] = c[at], c_types[at]
+        self.unknown = left
+        return True
+
+    def tuples_agree(self) -> tuple[bool, bool]:
+        """Whether every tuple seen is same_value its column's first: (reference, checkpoint)."""
+        return _agree(self.r_ids, self.r_row), _agree(self.c_ids, self.c_row)
+
+
+def _note_tuples(
+    seen: dict[int, dict[int, Any]], rows: list[Any], types: list[type], k: int
+) -> bool:
+    """Note the distinct tuple objects of each tuple column of ``rows``; ``False`` past _IDS."""
+    for j in compress(count(), map(is_, types, repeat(tuple))):
+        column = rows[j::k]
+        known = seen.setdefault(j, {})
+        first = column[0]
+        if all(map(is_, column, repeat(first))):  # one object (the usual case)
+            known.setdefault(id(first), first)
+        else:
+            known.update(zip(map(id, column), column, strict=True))
+        if len(known) > _IDS:
+            return False
+    return True
+
+
+def _agree(seen: dict[int, dict[int, Any]], row: list[Any]) -> bool:
+    """Whether each tuple column's distinct objects are same_value its value in ``row``."""
+    for j, known in seen.items():
+        first = row[j]
+        if (len(known) > 1 or id(first) not in known) and not all(
+            same_value(first, v) for v in known.values()
+        ):
+            return False
+    return True
 
 
 def _proven_by_blocks(
-    r_values: list[Any],
-    c_values: list[Any],
+    r_values: Iterator[Any],
+    c_values: Iterator[Any],
+    n: int,
     k: int,
     holes: list[int],
-    kinds: tuple[list[type], list[type]] | None = None,
+    kinds: TypesAt | None = None,
 ) -> bool | None:
     """:func:`proven_consistent` by blocks of rows, in C-level list comparisons.
 
     The positions are rows of ``k`` (torch's layout: one row per parameter), and the
     reference's rows come in blocks of equal rows (a param group's members share
-    their value objects, and torch writes a group's members one after another).
-    Each block's reference rows are found by galloping comparisons of slices with
-    its first row repeated (``==``, identity first), and must have its first row's
-    types; its checkpoint rows must equal the checkpoint's first row of the block
-    (``==``, then the types; tuples' items by their distinct objects). Plain values
-    only (scalars and short flat tuples of them, where ``==`` of one type is
-    same_value, NaN aside, which ``==`` never joins). Then the first rows' positions
-    whose reference values are same_value (in any column: the condition is name-free)
-    must hold same_value checkpoint values. At a hole (a position the checkpoint
-    lacks, where no member holds a value) the block's value for that column stands
-    in, from its first row that has one. ``kinds``: the two sides' types, if known
-    (else one pass makes them). ``True``: proven; ``False``: not proven (the exact
-    check decides); ``None``: not this shape (the run-by-run proof tries).
+    their value objects, and torch writes a group's members one after another). The
+    rows are read a chunk at a time (:data:`_CHUNK` values a side). Each block's
+    reference rows are found by comparisons of slices with its first row repeated
+    (``==``, identity first; galloping where a block ends), and must have its first
+    row's types; its checkpoint rows must equal the checkpoint's first row of the
+    block (``==``, then the types); tuples' items, on both sides, by their distinct
+    objects. Plain values only (scalars and short flat tuples of them, where ``==``
+    of one type is same_value, NaN aside, which ``==`` never joins). Then the first
+    rows' positions whose reference values are same_value (in any column: the
+    condition is name-free) must hold same_value checkpoint values. At a hole (a
+    position the checkpoint lacks, where no member holds a value) the block's value
+    for that column stands in, from its first row that has one. ``kinds``: the two
+    sides' types by ranges, if known (else each chunk's are made). ``True``: proven;
+    ``False``: not proven (the exact check decides); ``None``: not this shape (the
+    run-by-run proof tries).
     """
-    n = len(r_values)
-    if not n or k < 1 or n % k or len(c_values) != n:
+    if not n or k < 1 or n % k:
         return None
     rows = n // k
-    r_kinds, c_kinds = kinds if kinds is not None else (None, None)
+    per = max(1, _CHUNK // k)  # rows a chunk
+    blocks: list[_Block] = []
+    h = 0  # the next hole
     try:
-        blocks: list[tuple[int, int]] = []
-        r_types: list[type] = []  # what the types must be, block by block
-        start = 0
-        while start < rows:
-            if len(blocks) == _BLOCKS:
-                return None
-            row = r_values[start * k : (start + 1) * k]
-            if not all(map(_plain, row)):
-                return None
-            end = _rows_like(r_values, row, k, start + 1, rows)
-            blocks.append((start, end))
-            r_types += list(map(type, row)) * (end - start)
-            start = end
-        if (r_kinds if r_kinds is not None else list(map(type, r_values))) != r_types:
-            return None  # equal values of other types in a block: the run-by-run proof
-        absent: set[tuple[int, int]] = set()  # (block start, column) no checkpoint row holds
-        if holes:
-            c_values = _filled(c_values, k, blocks, holes, absent)
-            if c_kinds is not None:
-                c_kinds = list(c_kinds)
-                for p in holes:
-                    c_kinds[p] = type(c_values[p])
-        c_types: list[type] = []
-        tuples: list[tuple[int, int, int]] = []  # (block start, end, column) holding tuples
-        for start, end in blocks:
-            row = c_values[start * k : (start + 1) * k]
-            if not all(map(_plain, row)):
-                return None
-            if c_values[start * k : end * k] != row * (end - start):
-                return False
-            c_types += list(map(type, row)) * (end - start)
-            tuples += [(start, end, j) for j, v in enumerate(row) if type(v) is tuple]
-        if (c_kinds if c_kinds is not None else list(map(type, c_values))) != c_types:
+        for top in range(0, rows, per):
+            m = min(per, rows - top)
+            size = m * k
+            r = list(islice(r_values, size))
+            c = list(islice(c_values, size))
+            if kinds is None:
+                r_types, c_types = list(map(type, r)), list(map(type, c))
+            else:
+                r_types, c_types = kinds(top * k, top * k + size)
+            if not len(r) == len(c) == len(r_types) == len(c_types) == size:
+                return None  # fewer values than said
+            lo, base = h, top * k
+            while h < len(holes) and holes[h] < base + size:
+                h += 1
+            gaps = [p - base for p in holes[lo:h]] if h > lo else []
+            pos = 0
+            while pos < m:
+                if blocks and (r if not pos else r[pos * k :]) == blocks[-1].r_row * (m - pos):
+                    end = m  # the rest of the chunk is in the block (the usual case)
+                elif blocks:
+                    end = _rows_like(r, blocks[-1].r_row, k, pos, m)
+                else:
+                    end = pos
+                if end == pos:  # a new block of reference rows starts here
+                    if len(blocks) == _BLOCKS:
+                        return None
+                    row = r[pos * k : (pos + 1) * k]
+                    if not _all_plain(row):
+                        return None
+                    blocks.append(_Block(row, r_types[pos * k : (pos + 1) * k]))
+                    end = _rows_like(r, row, k, pos + 1, m)
+                a, b = pos * k, end * k
+                whole = a == 0 and b == size  # (no slices to make)
+                verdict = blocks[-1].take(
+                    r_types if whole else r_types[a:b],
+                    r if whole else r[a:b],
+                    c if whole else c[a:b],
+                    c_types if whole else c_types[a:b],
+                    k,
+                    [p - a for p in gaps if a <= p < b] if gaps else gaps,
+                )
+                if verdict is not True:
+                    return verdict
+                pos = end
+        if next(r_values, MISSING) is not MISSING or next(c_values, MISSING) is not MISSING:
+            return None  # more values than said
+        r_reps: list[Any] = []
+        c_reps: list[Any] = []
+        for j in range(k):  # (name-free, as proven_consistent: any columns)
+            for block in blocks:
+                if block.c_row[j] is not MISSING:  # (else no row of the block has the key)
+                    r_reps.append(block.r_row[j])
+                    c_reps.append(block.c_row[j])
+        agree = [block.tuples_agree() for block in blocks]
+        if not all(r_ok for r_ok, _ in agree):
+            return None
+        if not all(c_ok for _, c_ok in agree):
             return False
-        for start, end, j in tuples:  # == says nothing of the items' types: each object once
-            column = c_values[start * k + j : end * k : k]
-            ids = set(map(id, column))
-            if len(ids) == 1:
-                continue  # one object
-            if len(ids) > 64:
-                return False
-            distinct = {id(v): v for v in column}
-            if not all(same_value(column[0], v) for v in distinct.values()):
-                return False
-        held: dict[Any, Any] = {}  # (name-free, as proven_consistent: any columns)
-        for j in range(k):
-            for start, _ in blocks:
-                if (start, j) in absent:
-                    continue
-                cv = c_values[start * k + j]
-                first = held.setdefault(_class_key(r_values[start * k + j]), cv)
-                if first is not cv and not same_value(first, cv):
-                    return False
+        return _pairs_agree(r_reps, c_reps)
     except Exception:  # an exotic value (its == or hash raises): not this shape  # noqa: BLE001
         return None
-    return True
 
 
 def _rows_like(values: list[Any], row: list[Any], k: int, start: int, rows: int) -> int:

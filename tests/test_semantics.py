@@ -201,6 +201,67 @@ def test_the_block_proof_is_a_proof(k, shape, data):
                     assert same_value(c_values[p], c_values[q]), (p, q)
 
 
+def test_the_block_proof_tells_tuples_apart_by_their_items_types():
+    """(1, 2) == (1.0, 2.0), but they are not same_value: reference rows holding them are
+    not one group, so a later (1.0, 2.0) row whose checkpoint value differs from the
+    earlier (1.0, 2.0) row's is a disagreement the proof must not hide."""
+    from dsdmerge._groups import proven_consistent
+
+    r_values = [(1, 2), (1.0, 2.0), 0.1, (1.0, 2.0)]
+    assert not proven_consistent(r_values, ["x", "x", "z", "y"], 1)
+    assert not proven_consistent([(1.0, 2.0), (1, 2)], ["x", "y"], 1)  # (one block, not one value)
+
+
+def test_a_conflict_hidden_behind_equal_tuples_is_found():
+    """The same at the engine: the reference's two params whose hyperparameter is (1.0, 2.0)
+    are one inferred group whose checkpoint members disagree: strict refuses, naming it,
+    as the semantics say."""
+    fqns = ["a", "b", "c", "d"]
+    pg = [(1, 2), (1.0, 2.0), 0.1, (1.0, 2.0)]
+    r = {f"state.{f}.step": 0 for f in fqns}
+    r |= {f"param_groups.{f}.x": v for f, v in zip(fqns, pg, strict=True)}
+    c = dict(r)
+    c |= {f"param_groups.{f}.x": v for f, v in zip(fqns, ["x", "x", "z", "y"], strict=True)}
+    assert_same_outcome(c, r, merge=True, keep_unexpected=False, conflicts=True)
+    assert _spec.outcome(c, r, merge=True, conflicts=True).conflicts
+    with pytest.raises(dm.MergeError, match=r"'x'"):
+        dm.merge(c, r, policy="strict")
+
+
+def test_the_block_proof_reads_rows_in_chunks():
+    """Blocks that span chunks of the lazy block proof (dsdmerge._groups._CHUNK values),
+    holes at chunk edges, a block whose first row lacks a key: the proof equals its
+    definition on each side of a chunk boundary."""
+    from dsdmerge import _groups
+    from dsdmerge._values import MISSING, same_value
+
+    k = 3
+    rows = 3 * _groups._CHUNK // k + 5
+    a_row, b_row = [1e-3, (0.9, 0.99), 0.1], [1e-3, (0.9, 0.99), 0.0]
+    split = _groups._CHUNK // k - 1  # the second block starts one row before a chunk ends
+    r_values = a_row * split + b_row * (rows - split)
+    c_row_a, c_row_b = [2e-3, (0.8, 0.9), 0.1], [2e-3, (0.8, 0.9), 0.0]
+    good = c_row_a * split + c_row_b * (rows - split)
+    edge = _groups._CHUNK // k * k
+    holes = sorted({split * k, split * k + 2, edge - 1, edge, edge + 1, len(good) - 1})
+    with_holes = list(good)
+    for p in holes:
+        with_holes[p] = MISSING
+    assert _groups.proven_consistent(r_values, good, k)
+    assert _groups.proven_consistent(r_values, with_holes, k, holes=holes)
+    for at in (split * k - 1, split * k + 1, edge + 2, edge + 3, len(good) - 2):
+        assert at not in holes
+        bad = list(with_holes)
+        bad[at] = 5e-3 if type(bad[at]) is float else (0.8, 0.91)
+        assert not _groups.proven_consistent(r_values, bad, k, holes=holes), at
+    copies = [float(repr(v)) if type(v) is float else tuple(v) for v in good]  # equal objects
+    assert _groups.proven_consistent(r_values, copies, k)
+    ints = list(good)
+    ints[edge + 1] = (0, 1)  # == nothing there, and (0, 1) == (0.0, 1.0) only by value
+    assert not _groups.proven_consistent(r_values, ints, k)
+    assert not same_value((0, 1), (0.0, 1.0))
+
+
 def copy_of(v):
     """An equal value that is another object (as torch.load gives every parameter its own)."""
     if type(v) is float:
