@@ -103,6 +103,10 @@ def run(
         r_scan = scan(reference)
     # both are flat now; the flat pass checks that their keys are str, on its way through them
     r_codes, r_tt = r_scan.tensor_codes()
+    # The scans' per-value type lists (two lists as long as the dicts) are not kept through
+    # the pass: the group proof makes each chunk's types itself, a few ms more at 661k keys,
+    # for a peak of ~1.3x one dict instead of ~2x.
+    del c_scan, r_scan
     return flat_pass(
         checkpoint,
         reference,
@@ -113,5 +117,4 @@ def run(
         conflicts=conflicts,
         groups=groups,
         key_prefix=key_prefix,
-        kinds=(c_scan.kinds, r_scan.kinds),
     )

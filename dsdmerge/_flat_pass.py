@@ -13,14 +13,13 @@ constant number of times, with no Python frame per key in the common case.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import compress, count, islice, repeat
 from operator import contains, is_
 from typing import Any
 
-from dsdmerge._groups import TypesAt, Values, prefixed, proven_lazily, resolve
+from dsdmerge._groups import Values, prefixed, proven_lazily, resolve
 from dsdmerge._keys import (
     align,
     missing_in_union,
@@ -49,17 +48,14 @@ def flat_pass(
     conflicts: bool,
     groups: list[list[str]] | None,
     key_prefix: str = "",
-    kinds: tuple[list[type], list[type]] | None = None,
 ) -> Outcome:
     """The flat pass: keys aligned, tensors checked, the merged dict built, groups resolved.
 
     ``picked``: 1 per tensor-like value of ``r``, whose types are among
     ``r_tensor_types``; ``groups``: the reference's param groups when it was nested
-    (lists of fqns), else ``None`` (inferred). ``kinds`` (the type of each value of
-    ``c`` and of ``r``, :func:`~dsdmerge._tensors.scan`'s) is not read: the group
-    proof makes the types of the chunks it reads, as fast as it would read them
-    from here, and a caller that drops its lists saves their memory. See the module
-    docstring.
+    (lists of fqns), else ``None`` (inferred). The group proof makes the types of the
+    chunks it reads itself (as fast as it would slice them from the scan's per-value
+    lists, which the engine does not keep, for their memory). See the module docstring.
     """
     c_key_types: set[type] = set()
     r_key_types: set[type] = set()
@@ -94,11 +90,9 @@ def flat_pass(
     del u_vals, r_vals
 
     def conflict_free() -> bool:
-        # the checkpoint's values at the reference's positions, read lazily (no list of them),
-        # and their types as slices of the scan's lists, when given
+        # the checkpoint's values at the reference's positions, read lazily (no list of them)
         c_at_r = partial(values_at, c, r, runs, missing, MISSING)
-        at_kinds = None if kinds is None else (_Positions(kinds[0], runs), kinds[1])
-        return _conflict_free(r, c_at_r, picked, _holes(runs, len(r)), at_kinds)
+        return _conflict_free(r, c_at_r, picked, _holes(runs, len(r)))
 
     return _finish(
         c,
@@ -276,14 +270,12 @@ def _conflict_free(
     c_at_r: Values,
     picked: bytes,
     holes: list[int] | None = None,
-    kinds: tuple[_Positions, list[type]] | None = None,
 ) -> bool:
     """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
 
     ``c_at_r()``: the checkpoint's value at each reference position; ``holes``, if
     known: the positions where the checkpoint lacks the key (its value there may be
-    anything); ``kinds``, if known: the checkpoint's types at the reference's
-    positions, and the reference's types.
+    anything).
     Every side is read through iterators, a chunk at a time
     (:func:`~dsdmerge._groups.proven_lazily`): no list as long as ``r`` is made. A
     hyperparameter held as a tensor (some optimizers take a tensor ``lr``) is not
@@ -295,7 +287,6 @@ def _conflict_free(
     if first < 0:
         first = len(r)
     tail_holes = None
-    types_at: TypesAt | None = None
     if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
         tensor_keys: Iterable[str] = islice(r, first)
         r_vals: Values = partial(islice, r.values(), first, None)
@@ -303,11 +294,6 @@ def _conflict_free(
         keys: Iterable[str] = islice(r, first, None)
         if holes is not None:
             tail_holes = [p - first for p in holes if p >= first]
-        if kinds is not None:
-            c_kinds, r_kinds = kinds
-
-            def types_at(a: int, b: int) -> tuple[list[type], list[type]]:
-                return r_kinds[first + a : first + b], c_kinds.slice(first + a, first + b)
 
     else:
         others = picked.translate(_INVERT)
@@ -326,42 +312,7 @@ def _conflict_free(
     if any(map(contains, tensor_keys, repeat(_PG))):
         return False
     n = len(r) - picked.count(1)
-    return proven_lazily(r_vals, c_vals, n, _period(keys), holes=tail_holes, kinds=types_at)
-
-
-class _Positions:
-    """A checkpoint's per-value list (its types) read at the reference's positions, by slices.
-
-    ``runs`` as :func:`~dsdmerge._keys.align` found them; ``object`` where the
-    checkpoint lacks the key.
-    """
-
-    def __init__(self, items: list[Any], runs: list[tuple[int, int, int]]) -> None:
-        self.items = items
-        self.runs = runs
-        self.starts = [j for _, j, _ in runs]
-
-    def slice(self, a: int, b: int) -> list[Any]:
-        """The items at reference positions ``a`` to ``b``."""
-        runs, pos = self.runs, a
-        out: list[Any] = []
-        x = max(bisect_right(self.starts, a) - 1, 0)
-        while pos < b:
-            if x == len(runs):
-                out += repeat(object, b - pos)
-                break
-            i, j, n = runs[x]
-            if pos < j:  # missing keys before this run
-                end = min(b, j)
-                out += repeat(object, end - pos)
-                pos = end
-            elif pos < j + n:
-                end = min(b, j + n)
-                out += self.items[i + pos - j : i + end - j]
-                pos = end
-            else:
-                x += 1
-        return out
+    return proven_lazily(r_vals, c_vals, n, _period(keys), holes=tail_holes)
 
 
 def _period(keys: Iterable[str]) -> int:
