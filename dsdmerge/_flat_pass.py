@@ -187,7 +187,7 @@ def _finish(
     detect = merged is not None or conflicts
     if detect and conflict_free is not None and conflict_free():
         detect = False  # proven: no group can have members that disagree
-    backfilled = [k for k in missing if k.startswith(PG_PREFIX)]
+    backfilled = list(compress(missing, map(str.startswith, missing, repeat(PG_PREFIX))))
     if backfilled or (detect and any(map(str.startswith, c, repeat(PG_PREFIX)))):
         resolve(
             c, r, groups, backfilled, outcome, detect=detect, conflicts=conflicts, c_at_r=c_at_r
