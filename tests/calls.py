@@ -8,7 +8,8 @@ from typing import Any
 
 import dsdmerge as dm
 
-LOOSE = dm.Policy(shape="ignore", conflict="warn", drop_unexpected=True)
+LOOSE = dm.Policy(conflict="warn", drop_unexpected=True)
+SHAPES = {"on_shape_mismatch": "take_reference"}
 
 
 def _quiet(fn: Callable[[], Any]) -> Any:
@@ -43,9 +44,9 @@ CALLS: dict[str, Callable[[Any, Any], Any]] = {
     "merge(a, b)": lambda a, b: _quiet(lambda: dm.merge(a, b)),
     "merge(a, b, warn)": lambda a, b: _quiet(lambda: dm.merge(a, b, policy="warn")),
     "merge(a, b, strict)": lambda a, b: dm.merge(a, b, policy="strict"),
-    "merge(a, b, loose)": lambda a, b: _quiet(lambda: dm.merge(a, b, policy=LOOSE)),
+    "merge(a, b, loose)": lambda a, b: _quiet(lambda: dm.merge(a, b, policy=LOOSE, **SHAPES)),
     "merge(flatten(a), b, loose)": lambda a, b: _quiet(
-        lambda: dm.merge(_flat_of(a), b, policy=LOOSE)
+        lambda: dm.merge(_flat_of(a), b, policy=LOOSE, **SHAPES)
     ),
     "merge_with_diff(a, b, warn)": lambda a, b: _quiet(
         lambda: dm.merge_with_diff(a, b, policy="warn")

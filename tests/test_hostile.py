@@ -15,6 +15,7 @@ import pytest
 import torch
 from calls import CALLS
 from conftest import Snapshot
+from helpers import taking_reference
 from hostile import expected_flat_leaves, hostile_cases, hostile_pairs
 from hypothesis import given
 
@@ -42,9 +43,8 @@ def osd(groups, state=None):
 
 # -- properties ------------------------------------------------------------------------
 
-KEEP = dm.Policy(
-    shape="ignore", unrelated="ignore", conflict="ignore"
-)  # merge everything that can be merged, keep unexpected keys
+# merge everything that can be merged (reshaped tensors: the reference's), keep unexpected keys
+KEEP = dm.Policy(unrelated="ignore", conflict="ignore")
 
 
 def escapes(a: Any, b: Any) -> list[str]:
@@ -109,7 +109,7 @@ def losses(a: Any, b: Any) -> list[str]:
             problems.append("unflatten(flatten(a), like=a) does not give back flatten(a)'s keys")
         elif any(back[k] is not v for k, v in flat_a.items()):
             problems.append("unflatten(flatten(a), like=a) does not give back flatten(a)'s values")
-    merged = _or_none(lambda: dm.merge_with_diff(a, b, policy=KEEP))
+    merged = _or_none(lambda: taking_reference(dm.merge_with_diff, a, b, policy=KEEP))
     flat_b = _or_none(lambda: dm.flatten(b))
     if merged is not None and flat_a is not None and flat_b is not None:
         flat_m = _or_none(lambda: dm.flatten(merged.state_dict))

@@ -197,7 +197,8 @@ def test_resume_model_shape_change_can_keep_the_models_tensor(saved):
     with pytest.raises(dm.MergeError, match="shape"):
         resume_model(model, saved["model"])
     before = model.head.weight.detach().clone()
-    diff = resume_model(model, saved["model"], policy=dm.DEFAULT.replace(shape="ignore"))
+    with pytest.warns(dm.DSDMergeWarning, match="reference's were taken"):
+        diff = resume_model(model, saved["model"], on_shape_mismatch="take_reference")
     assert "head.weight" in diff.mismatched_keys
     assert torch.equal(model.head.weight, before)
     assert torch.equal(model.proj.weight, saved["model"]["proj.weight"])
@@ -481,9 +482,10 @@ def test_load_dcp_shape_mismatch_let_through_is_not_read(dcp_checkpoint):
     before = model.head.weight.detach().clone()
     with pytest.raises(dm.MergeError, match="shape"):
         load_dcp(path, target, allow_unexpected="*")
-    loaded, diff = load_dcp(
-        path, target, policy=dm.DEFAULT.replace(shape="ignore"), allow_unexpected="*"
-    )
+    with pytest.warns(dm.DSDMergeWarning, match="reference's were taken"):
+        loaded, diff = load_dcp(
+            path, target, on_shape_mismatch="take_reference", allow_unexpected="*"
+        )
     assert "model.head.weight" in diff.mismatched_keys
     assert "head.weight" not in loaded["model"]
     assert torch.equal(model.head.weight, before)

@@ -618,8 +618,8 @@ class Life(RuleBasedStateMachine):
             sd = refusing(
                 [optim_part, model_part, optim_sd],
                 backfill_optimizer_state,
-                optim_sd,
                 o,
+                optim_sd,
                 model=new.model,
                 policy=pol,
                 allow_missing=o_missing,
