@@ -14,7 +14,7 @@ constant number of times, with no Python frame per key in the common case.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from functools import cache, partial
 from itertools import compress, count, islice, repeat
 from operator import contains, is_
 from typing import Any
@@ -204,13 +204,7 @@ def _tie(r: Mapping[str, Any], missing: list[str], picked: bytes, outcome: Outco
     checkpoint's tensor through both keys, whatever their order (a fresh copy would
     overwrite the trained one). Not for a flattened optimizer's keys.
     """
-    memo: dict[str, bool] = {}
-
-    def holds(prefix: str) -> bool:
-        if prefix not in memo:
-            memo[prefix] = holds_hyperparameters(r, prefix)
-        return memo[prefix]
-
+    holds = cache(partial(holds_hyperparameters, r))  # asked once per prefix
     pairs = tied(r, missing, picked, lambda key: not in_section(r, key, holds))
     merged = outcome.merged
     for key, source in pairs:

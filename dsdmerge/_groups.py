@@ -87,7 +87,6 @@ __all__ = [
     "DISAGREE",
     "NESTED_PG",
     "Settled",
-    "TypesAt",
     "Values",
     "backfill",
     "disagreement",
@@ -441,8 +440,6 @@ def disagreement(
 
 Values = Callable[[], Iterator[Any]]
 """A sequence of values given as a maker of fresh iterators over it (each call, a new one)."""
-TypesAt = Callable[[int, int], tuple[list[type], list[type]]]
-"""``(a, b) ->`` the types of the two sides' values at positions ``a`` to ``b`` (lists)."""
 
 
 def proven_consistent(
@@ -451,7 +448,6 @@ def proven_consistent(
     period: int,
     *,
     holes: list[int] | None = None,
-    kinds: tuple[list[type], list[type]] | None = None,
 ) -> bool:
     """Whether no param group can have checkpoint members that disagree: a quick proof.
 
@@ -464,8 +460,7 @@ def proven_consistent(
     (inferred groups by definition; given groups share their group's value
     objects), so then none of them disagree. ``False`` means "not proven": the
     exact, group-by-group check decides. ``holes``: the positions the checkpoint
-    lacks, in order (left out); ``kinds``: the types of ``r_values`` and
-    ``c_values``, if known. :func:`proven_lazily` says how.
+    lacks, in order (left out). :func:`proven_lazily` says how.
     """
     n = len(r_values)
     if len(c_values) != n:
@@ -476,7 +471,6 @@ def proven_consistent(
         n,
         period,
         holes=holes,
-        kinds=None if kinds is None else partial(_slices, kinds[0], kinds[1]),
     )
 
 
@@ -487,7 +481,6 @@ def proven_lazily(
     period: int,
     *,
     holes: list[int] | None = None,
-    kinds: TypesAt | None = None,
 ) -> bool:
     """:func:`proven_consistent` of ``n`` values a side, read through iterators.
 
@@ -495,28 +488,13 @@ def proven_lazily(
     thousand items, whatever ``n``): first by blocks of rows, when they have torch's
     shape (:func:`_proven_by_blocks`); if not, by runs (:func:`_proven_by_runs`,
     which takes both sides whole). ``holes``: positions the checkpoint lacks, in
-    order (there ``c_values`` may hold anything, ``MISSING`` for one); ``kinds``,
-    if given: the types of the two sides' values in a range of positions, as slices
-    of lists the caller has (else each chunk's are made, a C-level pass each).
+    order (there ``c_values`` may hold anything, ``MISSING`` for one). Each chunk's
+    types are made from its values, a C-level pass each.
     """
-    by_blocks = _proven_by_blocks(
-        r_values(),
-        c_values(),
-        n,
-        period,
-        holes or [],
-        kinds,
-    )
+    by_blocks = _proven_by_blocks(r_values(), c_values(), n, period, holes or [])
     if by_blocks is not None:
         return by_blocks
     return _proven_by_runs(list(r_values()), list(c_values()), period)
-
-
-def _slices(
-    r_kinds: list[type], c_kinds: list[type], a: int, b: int
-) -> tuple[list[type], list[type]]:
-    """The :data:`TypesAt` of two lists of types."""
-    return r_kinds[a:b], c_kinds[a:b]
 
 
 def _proven_by_runs(r_values: list[Any], c_values: list[Any], period: int) -> bool:
@@ -740,7 +718,6 @@ def _proven_by_blocks(
     n: int,
     k: int,
     holes: list[int],
-    kinds: TypesAt | None = None,
 ) -> bool | None:
     """:func:`proven_consistent` by blocks of rows, in C-level list comparisons.
 
@@ -757,8 +734,7 @@ def _proven_by_blocks(
     rows' positions whose reference values are same_value (in any column: the
     condition is name-free) must hold same_value checkpoint values. At a hole (a
     position the checkpoint lacks, where no member holds a value) the block's value
-    for that column stands in, from its first row that has one. ``kinds``: the two
-    sides' types by ranges, if known (else each chunk's are made). ``True``: proven;
+    for that column stands in, from its first row that has one. ``True``: proven;
     ``False``: not proven (the exact check decides); ``None``: not this shape (the
     run-by-run proof tries).
     """
@@ -774,10 +750,7 @@ def _proven_by_blocks(
             size = m * k
             r = list(islice(r_values, size))
             c = list(islice(c_values, size))
-            if kinds is None:
-                r_types, c_types = list(map(type, r)), list(map(type, c))
-            else:
-                r_types, c_types = kinds(top * k, top * k + size)
+            r_types, c_types = list(map(type, r)), list(map(type, c))
             if not len(r) == len(c) == len(r_types) == len(c_types) == size:
                 return None  # fewer values than said
             lo, base = h, top * k

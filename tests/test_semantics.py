@@ -190,10 +190,7 @@ def test_the_block_proof_is_a_proof(k, shape, data):
                 c_values += [copy_of(v) for v in data.draw(st.lists(cells, min_size=k, max_size=k))]
     n = len(r_values)
     holes = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=3)))
-    kinds = (list(map(type, r_values)), list(map(type, c_values)))  # as the engine passes them
-    if proven_consistent(
-        r_values, c_values, k, holes=holes, kinds=kinds if data.draw(st.booleans()) else None
-    ):
+    if proven_consistent(r_values, c_values, k, holes=holes):
         kept = [p for p in range(n) if p not in holes]
         for p in kept:
             for q in kept:
