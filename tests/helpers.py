@@ -59,14 +59,19 @@ def rows_reordered(sd, start_fraction):
     return out
 
 
+def quietly(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with its DSDMergeWarnings silenced (for what it returns)."""
+    import dsdmerge as dm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dm.DSDMergeWarning)
+        return fn(*args, **kwargs)
+
+
 def taking_reference(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, on_shape_mismatch="take_reference", **kwargs)``, its warnings silenced.
 
     For tests that compare what a merge returns when reshaped tensors take the
     reference's (which always warns), not what it says.
     """
-    import dsdmerge as dm
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dm.DSDMergeWarning)
-        return fn(*args, on_shape_mismatch="take_reference", **kwargs)
+    return quietly(fn, *args, on_shape_mismatch="take_reference", **kwargs)

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import Snapshot, leaves, same_tree
+from helpers import quietly, taking_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -40,13 +41,6 @@ inverses = st.sampled_from(
 )
 
 
-def quiet(fn, *args, **kwargs):
-    """Call ``fn`` with DSDMergeWarnings (rules that match nothing in this draw) silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dm.DSDMergeWarning)
-        return fn(*args, **kwargs)
-
-
 def same_but_names(a, b) -> bool:
     """Equal as state dicts: same structure and keys, identical leaves except param_names lists."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -60,14 +54,14 @@ def same_but_names(a, b) -> bool:
 def test_rename_then_inverse_is_the_identity(sd, rules):
     forward, back = rules
     snap = Snapshot(sd)
-    there = quiet(dm.rename, sd, forward)
-    assert same_but_names(quiet(dm.rename, there, back), sd)
+    there = quietly(dm.rename, sd, forward)
+    assert same_but_names(quietly(dm.rename, there, back), sd)
     assert snap.unchanged()
 
 
 @given(state_dicts, inverses)
 def test_rename_shares_every_leaf_and_no_container(sd, rules):
-    out = quiet(dm.rename, sd, rules[0])
+    out = quietly(dm.rename, sd, rules[0])
     ids = {id(x) for x in leaves(sd)}
     assert all(id(x) in ids for x in leaves(out) if not isinstance(x, str))
     containers = set()
@@ -98,14 +92,14 @@ nested_with_fqns = st.one_of(
 def test_rename_commutes_with_flatten(sd, rules):
     """Where the flat form says where fqns start (models, optimizers, checkpoints with one)."""
     assert same_but_names(
-        dm.flatten(quiet(dm.rename, sd, rules[0])), quiet(dm.rename, dm.flatten(sd), rules[0])
+        dm.flatten(quietly(dm.rename, sd, rules[0])), quietly(dm.rename, dm.flatten(sd), rules[0])
     )
 
 
 @given(flat_state_dicts(kind="model"), inverses)
 def test_a_model_state_dict_renames_key_by_key(sd, rules):
     forward = rules[0]
-    out = quiet(dm.rename, sd, forward)
+    out = quietly(dm.rename, sd, forward)
     [(pattern, replacement)] = forward.items()
     assert list(out) == [re.sub(pattern, replacement, k) for k in sd]
     assert all(out[re.sub(pattern, replacement, k)] is v for k, v in sd.items())
@@ -123,15 +117,15 @@ def test_a_model_state_dict_renames_key_by_key(sd, rules):
 def test_merging_through_a_rename_equals_merging_the_renamed_checkpoint(pair, rules):
     ckpt, ref = pair
     forward, back = rules
-    moved = quiet(dm.rename, ckpt, forward)  # as a wrapper or a refactor saved it
+    moved = quietly(dm.rename, ckpt, forward)  # as a wrapper or a refactor saved it
     merging = dm.DEFAULT.replace(unmatched_rename="ignore")
-    shapes = {"on_shape_mismatch": "take_reference"}
-    through = quiet(dm.merge_with_diff, moved, ref, policy=merging, rename=back, **shapes)
-    direct = quiet(dm.merge_with_diff, quiet(dm.rename, moved, back), ref, policy=merging, **shapes)
+    through = taking_reference(dm.merge_with_diff, moved, ref, policy=merging, rename=back)
+    renamed_back = quietly(dm.rename, moved, back)
+    direct = taking_reference(dm.merge_with_diff, renamed_back, ref, policy=merging)
     assert same_but_names(through.state_dict, direct.state_dict)
     assert through.diff == direct.diff
     # and the renamed-back checkpoint is the original one: the rename lost nothing
-    assert same_but_names(quiet(dm.merge, ckpt, ref, policy=merging, **shapes), through.state_dict)
+    assert same_but_names(taking_reference(dm.merge, ckpt, ref, policy=merging), through.state_dict)
 
 
 @given(checkpoint_pairs(layout="flat", min_unexpected=1, min_missing=1))
@@ -151,7 +145,7 @@ def test_diff_never_suggests_a_rename_that_does_not_explain_keys(pair):
 )
 def test_diff_suggests_the_rule_a_refactor_applied_and_it_explains_every_key(pair):
     ckpt, ref = pair
-    moved = quiet(dm.rename, ckpt, {r"\.attn\.wq\.": ".attn.query."})
+    moved = quietly(dm.rename, ckpt, {r"\.attn\.wq\.": ".attn.query."})
     plain = dm.diff(ckpt, ref)
     d = dm.diff(moved, ref)
     moved_keys = [k for k in d.unexpected if ".attn.query." in k]
@@ -528,7 +522,7 @@ def test_fast_paths_equal_the_general_path(sd, rules, wrapped):
     from dsdmerge.rename import compile_rules, renamed
 
     if wrapped:  # every fqn behind DDP's prefix, stripped again: the fastest path
-        sd = quiet(dm.rename, sd, {r"^": "module."})
+        sd = quietly(dm.rename, sd, {r"^": "module."})
         rules = {r"^module\.": ""}
 
     def run(fast):
