@@ -296,6 +296,23 @@ def test_a_value_torch_rejects_in_the_second_optimizer_changes_neither():
         assert o.state_dict() == before
 
 
+def test_a_value_torch_rejects_leaves_one_optimizer_holding_its_own_objects():
+    model, optims = two_optimizers()
+    sd = copy.deepcopy(get_optimizer_state_dict(model[0], optims[0]))
+    sd["state"]["weight"]["step"] = "three"  # passes the merge; Adam's __setstate__ raises
+    new = copy.deepcopy(model[0])
+    fresh = torch.optim.Adam(new.parameters(), lr=0.5)
+    new(torch.randn(4, 3)).sum().backward()
+    fresh.step()  # it holds state of its own
+    state, groups = fresh.state, fresh.param_groups
+    snap = Snapshot({"state": state, "groups": groups})
+    with pytest.raises(dm.MergeError, match=r"Adam\.load_state_dict rejects") as info:
+        resume_optimizer(new, fresh, sd)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert fresh.state is state and fresh.param_groups is groups  # the very objects
+    assert snap.unchanged()
+
+
 class FailsOnRealLoad(torch.optim.Adam):
     """An optimizer whose load hook fails on real parameters only (not on a dry run)."""
 

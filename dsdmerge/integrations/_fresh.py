@@ -69,9 +69,13 @@ _WALK_DEPTH = 16
 
 
 def twin(
-    optimizer: torch.optim.Optimizer, /, *, kind: Kind
+    optimizer: torch.optim.Optimizer, /, *, kind: Kind, one_per_kind: bool = False
 ) -> tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]:
     """A throwaway copy of ``optimizer`` with empty state; and ``id(live param) -> stand-in``.
+
+    ``one_per_kind`` (meta twins): the parameters of a group that have one shape, dtype,
+    layout and grad flag share one stand-in, listed once in the twin's group (see
+    :func:`_kind`).
 
     Raises whatever copying raises (the caller falls back).
     """
@@ -80,13 +84,20 @@ def twin(
     memo: dict[int, Any] = {}
     stand_in: dict[int, torch.Tensor] = {}
     params: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
+    shared: dict[tuple[Any, ...], torch.Tensor] = {}
+    for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) in stand_in:
                 continue
-            with torch.no_grad():
-                data = torch.empty_like(p, device="meta") if kind == "meta" else p.detach().clone()
-            new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            new = shared.get((gi, *_kind(p))) if one_per_kind else None
+            if new is None:
+                with torch.no_grad():
+                    data = (
+                        torch.empty_like(p, device="meta") if kind == "meta" else p.detach().clone()
+                    )
+                new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+                if one_per_kind:
+                    shared[(gi, *_kind(p))] = new
             stand_in[id(p)] = new
             memo[id(p)] = new
             params.append(p)
@@ -109,7 +120,22 @@ def twin(
     out.__dict__["state"] = memo[id(state)]
     for name in _STEP_HOOKS:
         out.__dict__[name] = OrderedDict()
+    if one_per_kind:
+        for group in out.param_groups:
+            group["params"] = list({id(p): p for p in group["params"]}.values())
     return out, stand_in
+
+
+def _kind(p: torch.Tensor) -> tuple[Any, ...]:
+    """What a parameter's fresh state depends on besides its group: shape, dtype, layout, grad.
+
+    A meta step runs each op through Python meta kernels (about 1 ms a tensor for AdamW),
+    so a model of 47k parameters in 20 shapes would take 47 s one stand-in each; an
+    optimizer that keeps per-parameter state gives equal parameters of one group equal
+    fresh state. (LBFGS, whose state spans every parameter, cannot step on meta tensors
+    at all.)
+    """
+    return (tuple(p.shape), p.dtype, p.layout, p.requires_grad)
 
 
 def zero_step(
@@ -199,15 +225,14 @@ def fresh_states(
     Raises:
         Exception: Copying or stepping failed (the caller decides what that means).
     """
-    tw, stand_in = twin(optimizer, kind=kind)
-    rep = _one_per_kind(tw) if kind == "meta" else {}
-    with rng_kept(stand_in.values()):
+    tw, stand_in = twin(optimizer, kind=kind, one_per_kind=kind == "meta")
+    with rng_kept({id(p): p for p in stand_in.values()}.values()):
         if seed is not None:
             _seed(seed)
         zero_step(tw, every_param=every_param, probe=probe)
     out: dict[int, Any] = {}
     for live_id, p in stand_in.items():
-        entry = tw.state.get(rep.get(id(p), p))
+        entry = tw.state.get(p)
         if isinstance(entry, Mapping):
             out[live_id] = entry
     return out
@@ -254,29 +279,6 @@ def _seed(n: int) -> None:
     np_random = _numpy_random()
     if np_random is not None:
         np_random.seed(n)
-
-
-def _one_per_kind(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
-    """Each group of a meta twin keeps one parameter per shape, dtype, layout and grad flag.
-
-    A meta step runs each op through Python meta kernels (about 1 ms a tensor for AdamW), so
-    a model of 47k parameters in 20 shapes would take 47 s; an optimizer that keeps
-    per-parameter state gives equal parameters of one group equal fresh state. (LBFGS,
-    whose state spans every parameter, cannot step on meta tensors at all.) Returns
-    ``id(stand-in) -> the stand-in it takes its fresh state from``.
-    """
-    rep: dict[int, Any] = {}
-    for group in optimizer.param_groups:
-        seen: dict[tuple[Any, ...], Any] = {}
-        kept = []
-        for p in group["params"]:
-            kind = (tuple(p.shape), p.dtype, p.layout, p.requires_grad)
-            if kind not in seen:
-                seen[kind] = p
-                kept.append(p)
-            rep[id(p)] = seen[kind]
-        group["params"] = kept
-    return rep
 
 
 def same_state(a: Any, b: Any, depth: int = 0, *, drawn: Any = None) -> bool:
@@ -364,18 +366,6 @@ def constructor_state(optimizer: torch.optim.Optimizer, /) -> set[int] | None:
         for p, entry in new.state.items()
         if id(p) in by_stand_in and isinstance(entry, Mapping) and entry
     }
-
-
-def dry_load(optimizer: torch.optim.Optimizer, state_dict: Mapping[Any, Any], /) -> None:
-    """``optimizer.load_state_dict(state_dict)`` on a meta twin: what torch would raise, raised.
-
-    No memory: the state tensors are moved to the twin's meta parameters.
-
-    Raises:
-        Exception: Whatever torch's (or the optimizer's hooks') load raises.
-    """
-    tw, _ = twin(optimizer, kind="meta")
-    tw.load_state_dict(state_dict)  # type: ignore[arg-type]
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:

@@ -670,11 +670,14 @@ class Expected:
             parameter on a twin (meta tensors, or real ones for keys in ``real``).
         real: The slot keys whose ``states`` hold real values (a copy twin's).
         unknown: One line per optimizer whose fresh state could not be computed.
+        checked: The slot keys whose checkpoint tensors have the shape and dtype of
+            the same fields in ``states`` (checked here: nothing to overlay).
     """
 
     states: dict[Any, Any]
     real: frozenset[Any]
     unknown: tuple[str, ...]
+    checked: frozenset[Any] = frozenset()
 
 
 def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]) -> Expected:
@@ -689,6 +692,7 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
     states: dict[Any, Any] = {}
     real: set[Any] = set()
     unknown: list[str] = []
+    checked: set[Any] = set()
     for o in slots.optims:
         mine = [
             (key, p)
@@ -702,14 +706,8 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
             result = fresh_states(o.optimizer, kind="meta", every_param=True)
         except Exception:  # noqa: BLE001 - a step that cannot run on meta tensors: a copy
             result = None
-        confirm = result is None or any(
-            (id(p) not in result and bool(result))
-            or (
-                id(p) in result
-                and field_mismatches(_spelled(c_state[key], result[id(p)]), result[id(p)])
-            )
-            for key, p in mine
-        )
+        fitting: set[Any] = set()
+        confirm = result is None or _differs(c_state, mine, result, fitting)
         is_real = False
         if confirm:
             try:
@@ -723,16 +721,20 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
                     )
                     continue
         assert result is not None
+        result_of: dict[Any, Any] = {}
         for key, p in mine:
             if id(p) in result:
-                states[key] = result[id(p)]
+                states[key] = result_of[key] = result[id(p)]
                 if is_real:
                     real.add(key)
         # tensor fields the checkpoint has that a zero-gradient step does not make (LBFGS
         # makes its direction and history only from a gradient that is not zero): their
         # shapes from a step with gradients of ones (values unknown: not "real")
         lacking = [
-            (key, p) for key, p in mine if _tensor_fields(c_state[key]) - set(states.get(key, {}))
+            (key, p)
+            for key, p in mine
+            if not (key in states and c_state[key].keys() <= states[key].keys())
+            and _tensor_fields(c_state[key]) - set(states.get(key, {}))
         ]
         if lacking:
             probed = _probe(o.optimizer)
@@ -748,7 +750,34 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
         for key, _ in mine:
             if key in states:
                 states[key] = _with_siblings(c_state[key], states[key])
-    return Expected(states, frozenset(real), tuple(unknown))
+        if not confirm:
+            checked.update(k for k in fitting if states.get(k) is result_of.get(k))
+    return Expected(states, frozenset(real), tuple(unknown), frozenset(checked))
+
+
+def _differs(
+    c_state: Mapping[Any, Any],
+    mine: list[tuple[Any, Any]],
+    result: Mapping[int, Any],
+    fitting: set[Any],
+) -> bool:
+    """Whether a meta step's ``result`` leaves out a parameter or shapes a field otherwise.
+
+    ``mine``: the slot key and parameter of each checkpoint entry of ``c_state`` asked
+    about. The keys whose tensors all have the shape and dtype of the fields the step
+    made are added to ``fitting``.
+    """
+    if result and any(id(p) not in result for _, p in mine):
+        return True
+    own = {key: result[id(p)] for key, p in mine if id(p) in result}
+    spelled = respelled_state({key: c_state[key] for key in own}, own)
+    differs = False
+    for key, fresh in own.items():
+        if field_mismatches(spelled[key], fresh):
+            differs = True
+        else:
+            fitting.add(key)
+    return differs
 
 
 def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> Mapping[Any, Any]:
@@ -762,6 +791,8 @@ def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> M
     """
     import torch
 
+    if checkpoint.keys() <= fresh.keys():
+        return fresh
     by_shape: dict[tuple[Any, ...], Any] = {}
     for k, v in checkpoint.items():
         f = fresh.get(k)
@@ -773,13 +804,6 @@ def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> M
         if k not in fresh and isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) in by_shape
     }
     return {**fresh, **extra} if extra else fresh
-
-
-def _spelled(entry: Any, own: Any) -> Any:
-    """A checkpoint entry with its keys spelled as the optimizer's own entry (DCP's ``'0'``)."""
-    if not isinstance(entry, Mapping) or not isinstance(own, Mapping):
-        return entry
-    return respelled_state({0: entry}, {0: own})[0]
 
 
 def _tensor_fields(entry: Mapping[Any, Any]) -> set[Any]:
@@ -829,7 +853,7 @@ def field_mismatches(
     Fields both have, compared through mappings and lists (PSGD's factor lists); a 0-d
     against a 1-element tensor holds one value either way and is not a difference.
     """
-    if len(path) > 16:
+    if len(path) > 16 or _alike(checkpoint, fresh):
         return []
     if isinstance(checkpoint, Mapping) and isinstance(fresh, Mapping):
         out: list[Mismatched] = []
@@ -853,6 +877,24 @@ def field_mismatches(
     ):
         return [Mismatched(path, in_list, checkpoint, fresh)]
     return []
+
+
+def _alike(checkpoint: Any, fresh: Any) -> bool:
+    """Whether ``checkpoint`` is a dict whose every field ``fresh`` (a dict) has, alike.
+
+    Alike: with an equal ``shape`` and the same ``dtype`` (tensors both, in practice:
+    nothing else carries a torch dtype). The common entry, told in one generator frame
+    instead of a call per field; anything else (a field ``fresh`` lacks, a non-tensor,
+    a nested container, a difference) is False and :func:`field_mismatches` walks it.
+    """
+    if type(checkpoint) is not dict or type(fresh) is not dict:
+        return False
+    try:
+        return all(
+            v.shape == fresh[k].shape and v.dtype is fresh[k].dtype for k, v in checkpoint.items()
+        )
+    except (AttributeError, KeyError):
+        return False
 
 
 def overlaid(entry: Mapping[Any, Any], fields: Iterable[Mismatched]) -> dict[Any, Any]:

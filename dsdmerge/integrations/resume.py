@@ -53,10 +53,14 @@ and refused, reported or resized as the merge does any tensor.
 
 All or nothing
 --------------
-Everything is decided before anything is loaded, and each optimizer's part is first
-loaded into a meta twin, where torch's own checks and the optimizer's load hooks run:
-what torch would reject is refused before any optimizer changes. If a real load still
-fails, the optimizers loaded before it get their state back, and a
+Everything is decided before anything is loaded. An optimizer that loads with torch's
+own code (its class's ``load_state_dict`` and ``__setstate__`` are torch's, no load
+hooks) is loaded directly: torch's load changes nothing but the optimizer's ``state``
+and ``param_groups`` attributes, which it replaces rather than edits, so a load that
+fails is undone exactly by putting the old objects back. Every other optimizer's part
+is first loaded into a meta twin, where torch's own checks and the optimizer's load
+hooks run: what they would reject is refused before any optimizer changes. If a load
+still fails, the optimizers loaded before it get their state back, and a
 :class:`~dsdmerge.MergeError` says so.
 
 Int ids
@@ -433,11 +437,8 @@ def plan_resume(
     # every state tensor loaded is checked against the shape and dtype its optimizer gives
     # that field: the live state where there is some, else the optimizer's own fresh state
     # (a meta twin; see dsdmerge.integrations._fresh)
-    fresh_for = [
-        k
-        for k in slots.every_key()
-        if holds_value(c_state.get(k)) and not live.get(k) and not (init and init.get(k))
-    ]
+    valued = [k for k in slots.every_key() if holds_value(c_state.get(k))]
+    fresh_for = [k for k in valued if not live.get(k) and not (init and init.get(k))]
     expected = expected_state(slots, c_state, fresh_for) if fresh_for else None
     # a DCP round trip spells the int keys inside a parameter's state as strings too
     # (heavyball nests it under view indices 0, 1): read as the optimizer's own keys
@@ -478,7 +479,7 @@ def plan_resume(
         # (Adagrad's accumulators, made with the optimizer). An entry without values is no
         # state (schedulefree's train() makes {}, heavyball {0: {}}): loaded as it is, with
         # nothing backfilled into it.
-        keep = {k for k in slots.every_key() if holds_value(c_state.get(k))}
+        keep = set(valued)
         held = [k for k in slots.every_key() if k not in keep and live.get(k)]
         if held:
             keep.update(made_with_the_optimizer(slots, live, held))
@@ -520,12 +521,13 @@ def _overlays(
     no_values: list[str] = []
     needs_values = on_shape_mismatch != "raise" or pol.shape != "raise"
     twin_states = expected.states if expected else {}
+    checked = expected.checked if expected else frozenset()
     for key, fresh in known.items():
         entry = c_state.get(key)
-        if not isinstance(entry, Mapping):
+        from_twin = key in twin_states and twin_states[key] is fresh
+        if not isinstance(entry, Mapping) or (from_twin and key in checked):
             continue
         found = field_mismatches(entry, fresh)
-        from_twin = key in twin_states and twin_states[key] is fresh
         for m in found:
             where = ".".join(map(str, (STATE, key, *m.path)))
             text = (
@@ -649,15 +651,19 @@ def _fits(entry: Mapping[Any, Any], fresh: Any) -> bool:
 def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
     """Load each optimizer's part (the verdict has been given), all or none.
 
-    Every part is first loaded into a meta twin of its optimizer (no memory; torch's
-    own checks and the optimizer's load hooks run there): what torch would reject is
-    refused before any optimizer changes. If a real load still fails, the optimizers
-    loaded so far get back the state they had (their ``state_dict()`` from before).
+    A part whose load can be undone exactly (:func:`_undoable`) is loaded as it is; every
+    other part is first loaded into a meta twin of its optimizer (no memory; torch's own
+    checks and the optimizer's load hooks run there): what they reject is refused before
+    any optimizer changes. If a real load still fails, the optimizers loaded so far get
+    back the state they had.
 
     Raises:
         MergeError: torch (or the optimizer's load hooks) rejects a part.
     """
+    dsd = _needs_dsd(model, options)
     for n, (o, sd) in enumerate(zip(plan.slots.optims, plan.dicts, strict=True)):
+        if not dsd and _undoable(o.optimizer):
+            continue  # a dry run would cost as much as the load and find nothing more
         try:
             tw, _ = twin(o.optimizer, kind="meta")
         except Exception:  # noqa: BLE001 - no twin, no dry run: the real load is undone
@@ -666,11 +672,11 @@ def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
             tw.load_state_dict(sd)
         except Exception as err:
             raise _rejected(plan, n, o.optimizer, err, "nothing was loaded") from err
-    dsd = _needs_dsd(model, options)
     parts = _fqn_keyed_each(plan) if dsd else plan.dicts
-    done: list[Any] = []
+    done: list[tuple[Any, dict[str, Any] | None]] = []
     for n, (o, sd) in enumerate(zip(plan.slots.optims, parts, strict=True)):
-        done.append(o)
+        # DSD's load may step the optimizer first (its state edited in place): not undoable
+        done.append((o, None if dsd or not _undoable(o.optimizer) else dict(vars(o.optimizer))))
         try:
             if dsd:
                 _dsd_load(model, o.optimizer, sd, options)
@@ -680,6 +686,28 @@ def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
             undone = _restore(done[:-1])
             _restore(done[-1:])  # torch changes nothing before its checks; a hook may have
             raise _rejected(plan, n, o.optimizer, err, undone) from err
+
+
+def _undoable(optimizer: Any) -> bool:
+    """Whether a failed ``optimizer.load_state_dict`` is undone by restoring its attributes.
+
+    So it is when the load is torch's own: ``Optimizer.load_state_dict`` checks the
+    groups, builds a new ``state`` and new param groups (the old ones are not edited)
+    and hands them to ``__setstate__``, which torch's optimizers implement by replacing
+    the two attributes (and converting the new entries' steps); only a load hook, a
+    ``load_state_dict`` or a ``__setstate__`` of another package can change more.
+    """
+    import torch
+
+    cls = type(optimizer)
+    own = cls.load_state_dict is torch.optim.Optimizer.load_state_dict and getattr(
+        cls.__setstate__, "__module__", ""
+    ).startswith("torch.optim.")
+    hooks = (
+        getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None),
+        getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None),
+    )
+    return own and all(h is not None and not h for h in hooks)
 
 
 def _dsd_load(model: Any, optimizer: Any, sd: Any, options: StateDictOptions | None) -> None:
@@ -694,14 +722,23 @@ def _dsd_load(model: Any, optimizer: Any, sd: Any, options: StateDictOptions | N
     set_optimizer_state_dict(model, optimizer, sd, options=opts)
 
 
-def _restore(done: list[Any]) -> str:
-    """Give the optimizers in ``done`` back the state they had before; say how it went."""
+def _restore(done: list[tuple[Any, dict[str, Any] | None]]) -> str:
+    """Give the optimizers in ``done`` back the state they had before; say how it went.
+
+    ``done``: each optimizer's slot with its attributes from before a load that
+    :func:`_undoable` says they undo (it gets back the very objects it held), or
+    ``None``: it loads its ``state_dict()`` from before.
+    """
     if not done:
         return "no optimizer was changed"
     failed = []
-    for o in done:
+    for o, attrs in done:
         try:
-            o.optimizer.load_state_dict(o.live)
+            if attrs is not None:
+                vars(o.optimizer).clear()
+                vars(o.optimizer).update(attrs)
+            else:
+                o.optimizer.load_state_dict(o.live)
         except Exception as err:  # noqa: BLE001 - reported, the first error is the cause
             failed.append(f"{type(o.optimizer).__name__} ({type(err).__name__}: {err})")
     if failed:
