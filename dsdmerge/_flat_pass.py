@@ -13,7 +13,7 @@ constant number of times, with no Python frame per key in the common case.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cache, partial
 from itertools import compress, count, islice, repeat
 from operator import contains, is_
@@ -91,8 +91,8 @@ def flat_pass(
 
     def conflict_free() -> bool:
         # the checkpoint's values at the reference's positions, read lazily (no list of them)
-        c_at_r = partial(values_at, c, r, runs, missing, MISSING)
-        return _conflict_free(r, c_at_r, picked, _holes(runs, len(r)))
+        c_from = partial(values_at, c, r, runs, missing, MISSING)
+        return _conflict_free(r, c_from, picked, _holes(runs, len(r)))
 
     return _finish(
         c,
@@ -150,7 +150,9 @@ def _by_union(
         picked=picked,
         conflicts=conflicts,
         groups=groups,
-        conflict_free=lambda: _conflict_free(r, partial(islice, joined.values(), len(r)), picked),
+        conflict_free=lambda: _conflict_free(
+            r, lambda start: islice(joined.values(), start, len(r)), picked
+        ),
     )
 
 
@@ -176,14 +178,16 @@ def _finish(
     A merge looks at every group (members that disagree are settled into the result)
     and so does a pass asked for ``conflicts``; a plain comparison looks at none.
     """
-    outcome = Outcome(merged, missing, unexpected, mismatches)
-    if merged is not None:
-        outcome.take_reference = {
+    slots = (
+        {
             m.key: Slot(partial(merged.__setitem__, m.key), merged[m.key], r[m.key])
             for m in mismatches
         }
-    if missing:
-        _tie(r, missing, picked, outcome)
+        if merged is not None and mismatches
+        else {}
+    )
+    ties = _tie(r, missing, picked, merged) if missing else []
+    outcome = Outcome(merged, missing, unexpected, mismatches, take_reference=slots, ties=ties)
     detect = merged is not None or conflicts
     if detect and conflict_free is not None and conflict_free():
         detect = False  # proven: no group can have members that disagree
@@ -197,22 +201,26 @@ def _finish(
     return outcome
 
 
-def _tie(r: Mapping[str, Any], missing: list[str], picked: bytes, outcome: Outcome) -> None:
+def _tie(
+    r: Mapping[str, Any], missing: list[str], picked: bytes, merged: dict[str, Any] | None
+) -> list[tuple[str, str, Callable[[Any], None]]]:
     """Missing keys whose reference tensor is a key's the checkpoint has take its tensor.
 
     Tied weights (:func:`~dsdmerge._tensors.tied`): loading the result then writes the
     checkpoint's tensor through both keys, whatever their order (a fresh copy would
-    overwrite the trained one). Not for a flattened optimizer's keys.
+    overwrite the trained one). Not for a flattened optimizer's keys. Returns the
+    outcome's ``ties`` (``merged`` written already).
     """
     holds = cache(partial(holds_hyperparameters, r))  # asked once per prefix
     pairs = tied(r, missing, picked, lambda key: not in_section(r, key, holds))
-    merged = outcome.merged
+    ties: list[tuple[str, str, Callable[[Any], None]]] = []
     for key, source in pairs:
         if merged is not None:
             merged[key] = merged[source]
-            outcome.ties.append((key, source, partial(merged.__setitem__, key)))
+            ties.append((key, source, partial(merged.__setitem__, key)))
         else:
-            outcome.ties.append((key, source, _nowhere))
+            ties.append((key, source, _nowhere))
+    return ties
 
 
 def _nowhere(value: Any) -> None:
@@ -261,15 +269,15 @@ def _holes(runs: list[tuple[int, int, int]], n: int) -> list[int]:
 
 def _conflict_free(
     r: Mapping[str, Any],
-    c_at_r: Values,
+    c_from: Callable[[int], Iterator[Any]],
     picked: bytes,
     holes: list[int] | None = None,
 ) -> bool:
     """:func:`~dsdmerge._groups.proven_consistent` over the reference's non-tensor values.
 
-    ``c_at_r()``: the checkpoint's value at each reference position; ``holes``, if
-    known: the positions where the checkpoint lacks the key (its value there may be
-    anything).
+    ``c_from(i)``: the checkpoint's value at each reference position from ``i`` on;
+    ``holes``, if known: the positions where the checkpoint lacks the key (its value
+    there may be anything).
     Every side is read through iterators, a chunk at a time
     (:func:`~dsdmerge._groups.proven_lazily`): no list as long as ``r`` is made. A
     hyperparameter held as a tensor (some optimizers take a tensor ``lr``) is not
@@ -284,7 +292,7 @@ def _conflict_free(
     if 1 not in picked[first:]:  # torch's layout: the state's tensors, then the rest
         tensor_keys: Iterable[str] = islice(r, first)
         r_vals: Values = partial(islice, r.values(), first, None)
-        c_vals: Values = lambda: islice(c_at_r(), first, None)  # noqa: E731
+        c_vals: Values = partial(c_from, first)
         keys: Iterable[str] = islice(r, first, None)
         if holes is not None:
             tail_holes = [p - first for p in holes if p >= first]
@@ -293,7 +301,7 @@ def _conflict_free(
         others = picked.translate(_INVERT)
         tensor_keys = compress(r, picked)
         r_vals = partial(compress, r.values(), others)
-        c_vals = lambda: compress(c_at_r(), others)  # noqa: E731
+        c_vals = lambda: compress(c_from(0), others)  # noqa: E731
         keys = compress(r, others)
         if holes is not None:  # their places among the others
             tail_holes = []

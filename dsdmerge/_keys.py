@@ -151,31 +151,37 @@ def values_at(
     runs: list[tuple[int, int, int]],
     missing: list[str],
     fill: Any = None,
+    start: int = 0,
 ) -> Iterator[Any]:
     """The checkpoint's value at each position of the reference, lazily, from :func:`align`.
 
     Where the checkpoint lacks the key, ``fill`` stands in (the reference's own value
-    when ``fill`` is ``None``).
+    when ``fill`` is ``None``); from the reference's position ``start`` on. The pieces
+    (one per run and gap) are made up front and chained: C-level iterators over one
+    iterator of the checkpoint's values (and one of ``missing``), where a piece
+    ``islice(values, k, k)`` skips ``k`` unexpected values when it is reached. So the
+    pieces read the values in order, each once, and no Python frame runs while they do.
     """
+    values = iter(c.values())
+    keys = iter(missing)  # read in order too, by the gaps
 
-    def gap(keys: list[str]) -> Iterable[Any]:
-        return map(r.__getitem__, keys) if fill is None else repeat(fill, len(keys))
+    def gap(n: int) -> Iterable[Any]:
+        return map(r.__getitem__, islice(keys, n)) if fill is None else repeat(fill, n)
 
-    def parts() -> Iterator[Iterable[Any]]:
-        values = iter(c.values())
-        at_c = at_r = m = 0
-        for i, j, n in runs:
-            if j > at_r:  # missing keys before this run
-                yield gap(missing[m : m + j - at_r])
-                m += j - at_r
-            if i > at_c:  # skip the unexpected ones
-                next(islice(values, i - at_c, i - at_c), None)
-            yield islice(values, n)
-            at_c, at_r = i + n, j + n
-        if m < len(missing):
-            yield gap(missing[m:])
-
-    return chain.from_iterable(parts())
+    pieces: list[Iterable[Any]] = []
+    at_c = at_r = m = 0
+    for i, j, n in runs:
+        if j > at_r:  # missing keys before this run
+            pieces.append(gap(j - at_r))
+            m += j - at_r
+        if i > at_c:  # skip the unexpected ones
+            pieces.append(islice(values, i - at_c, i - at_c))
+        pieces.append(islice(values, n))
+        at_c, at_r = i + n, j + n
+    if m < len(missing):
+        pieces.append(gap(len(missing) - m))
+    out = chain.from_iterable(pieces)
+    return islice(out, start, None) if start else out
 
 
 def at_positions(

@@ -14,7 +14,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
 from dsdmerge._values import short_repr
-from dsdmerge.policy import DEFAULT, InvalidPolicyError, Policy, PolicyName, resolve_policy
+from dsdmerge.policy import (
+    DEFAULT,
+    NAMED,
+    InvalidPolicyError,
+    Policy,
+    PolicyName,
+    resolve_policy,
+)
 from dsdmerge.rename import Rule, Rules, compile_rules
 from dsdmerge.resize import SHAPE_CHOICES, OnShapeMismatch
 
@@ -100,8 +107,16 @@ class MergeOptions:
                 ``fresh`` or ``max_resize_bytes``.
             RenameError: A rename rule is not valid.
         """
+        plain = type(allow_missing) is tuple is type(allow_unexpected)
+        named = NAMED.get(policy) if type(policy) is str and plain else None
+        if named is not None and not (allow_missing or allow_unexpected):
+            resolved = named  # a name alone: its policy as it is
+        else:
+            resolved = resolve_policy(
+                policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected
+            )
         return cls(
-            resolve_policy(policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected),
+            resolved,
             None if rename is None else compile_rules(rename),
             convert,
             on_shape_mismatch,

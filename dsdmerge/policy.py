@@ -283,7 +283,8 @@ STRICT = Policy(
 )
 """Raise a :class:`~dsdmerge.MergeError` on any difference that is not allow-listed."""
 
-_NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
+NAMED = {"default": DEFAULT, "warn": WARN, "strict": STRICT}
+"""The policies a name stands for (``policy="strict"``)."""
 
 
 def resolve_policy(
@@ -315,8 +316,8 @@ def resolve_policy(
     """
     if isinstance(policy, Policy):
         base = policy
-    elif isinstance(policy, str) and policy in _NAMED:
-        base = _NAMED[policy]
+    elif isinstance(policy, str) and policy in NAMED:
+        base = NAMED[policy]
     else:
         raise InvalidPolicyError(
             f"unknown policy {short_repr(policy)}: use 'default', 'warn', 'strict' or a "

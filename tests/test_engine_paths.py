@@ -22,7 +22,7 @@ from semantics_check import assert_same_outcome
 
 import dsdmerge as dm
 from dsdmerge import _spec
-from dsdmerge._keys import align
+from dsdmerge._keys import align, values_at
 from dsdmerge._verdict import reshaped
 
 MERGING = dm.DEFAULT.replace(unrelated="ignore", conflict="ignore")
@@ -471,3 +471,26 @@ def test_the_param_group_table_reads_every_key_as_parse_groups_does(
             assert key == f"param_groups.{fqn}.{name}"
             assert hyper[fqn][name] == r[key] == table.values[i * k + j]
     assert list(hyper) == table.fqns
+
+
+@given(
+    st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),
+    st.sets(st.sampled_from("abcdefghij")),
+    st.lists(st.tuples(st.sampled_from("uvwxyz"), st.integers(0, 10)), unique_by=lambda t: t[0]),
+    st.integers(min_value=0, max_value=12),
+    st.sampled_from([None, "fill"]),
+)
+def test_values_at_are_the_checkpoints_value_at_each_reference_key(
+    r_keys, dropped, extra, start, fill
+):
+    # the keys both have in the reference's order (align's case); unexpected ones anywhere
+    c_keys = [k for k in r_keys if k not in dropped]
+    for key, at in extra:
+        c_keys.insert(min(at, len(c_keys)), key)
+    r = {k: f"r.{k}" for k in r_keys}
+    c = {k: f"c.{k}" for k in c_keys}
+    aligned = align(c, r, {str}, {str})
+    assert aligned is not None
+    got = list(values_at(c, r, aligned.runs, aligned.missing, fill, start))
+    plain = [c.get(k, r[k] if fill is None else fill) for k in r_keys]
+    assert got == plain[start:]

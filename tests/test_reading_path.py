@@ -25,9 +25,8 @@ LAYERS = [
     "dsdmerge._engine",
     "dsdmerge._verdict",
 ]
-# Today's count (docs/development.md says where the hops go): the group proof reads both sides
-# a chunk at a time, and each resumption of its readers is a call event.
-MOST_HOPS = 28
+# The bound a newcomer's trace keeps to (docs/development.md, "The reading path").
+MOST_HOPS = 20
 
 
 def _pair() -> tuple[dict[str, Any], dict[str, Any]]:
