@@ -73,14 +73,18 @@ def twin(
 ) -> tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]:
     """A throwaway copy of ``optimizer`` with empty state; and ``id(live param) -> stand-in``.
 
-    ``one_per_kind`` (meta twins): the parameters of a group that have one shape, dtype,
-    layout and grad flag share one stand-in, listed once in the twin's group (see
-    :func:`_kind`).
+    ``one_per_kind`` (for a step whose state only tells shapes): each group of the twin
+    keeps one parameter per :func:`_kind`, and every live parameter maps to the stand-in
+    of its kind in its group. The parameters of a kind share one stand-in to begin with,
+    unless the optimizer holds its parameters elsewhere too (a list of its own, which its
+    step may walk): then each gets its own, as without ``one_per_kind``.
 
     Raises whatever copying raises (the caller falls back).
     """
     import torch
 
+    attrs = {k: v for k, v in vars(optimizer).items() if k not in _SKIP}
+    share = one_per_kind and not _held_elsewhere(optimizer.param_groups, attrs)
     memo: dict[int, Any] = {}
     stand_in: dict[int, torch.Tensor] = {}
     params: list[torch.Tensor] = []
@@ -89,19 +93,18 @@ def twin(
         for p in group["params"]:
             if id(p) in stand_in:
                 continue
-            new = shared.get((gi, *_kind(p))) if one_per_kind else None
+            new = shared.get((gi, *_kind(p))) if share else None
             if new is None:
                 with torch.no_grad():
                     data = (
                         torch.empty_like(p, device="meta") if kind == "meta" else p.detach().clone()
                     )
                 new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-                if one_per_kind:
+                if share:
                     shared[(gi, *_kind(p))] = new
             stand_in[id(p)] = new
             memo[id(p)] = new
             params.append(p)
-    attrs = {k: v for k, v in vars(optimizer).items() if k not in _SKIP}
     for t in _tensors(attrs):
         if id(t) in memo:
             continue
@@ -120,10 +123,25 @@ def twin(
     out.__dict__["state"] = memo[id(state)]
     for name in _STEP_HOOKS:
         out.__dict__[name] = OrderedDict()
-    if one_per_kind:
+    if share:
         for group in out.param_groups:
             group["params"] = list({id(p): p for p in group["params"]}.values())
+    elif one_per_kind:
+        rep: dict[int, torch.Tensor] = {}
+        for group in out.param_groups:
+            seen: dict[tuple[Any, ...], torch.Tensor] = {}
+            for p in group["params"]:
+                rep[id(p)] = seen.setdefault(_kind(p), p)
+            group["params"] = list(seen.values())
+        stand_in = {live: rep.get(id(p), p) for live, p in stand_in.items()}
     return out, stand_in
+
+
+def _held_elsewhere(groups: list[dict[str, Any]], attrs: Mapping[str, Any]) -> bool:
+    """Whether an attribute other than ``param_groups`` holds one of the groups' parameters."""
+    ids = {id(p) for g in groups for p in g["params"]}
+    rest = {k: v for k, v in attrs.items() if k != "param_groups"}
+    return any(id(t) in ids for t in _tensors(rest))
 
 
 def _kind(p: torch.Tensor) -> tuple[Any, ...]:
