@@ -84,16 +84,24 @@ def twin(
     import torch
 
     attrs = {k: v for k, v in vars(optimizer).items() if k not in _SKIP}
-    share = one_per_kind and not _held_elsewhere(optimizer.param_groups, attrs)
+    groups = optimizer.param_groups
+    # the tensors besides the groups' parameters (walked once; a parameter among them is
+    # held elsewhere too)
+    rest = [v for k, v in attrs.items() if k != "param_groups"]
+    rest += [v for g in groups for k, v in g.items() if k != "params"]
+    others = list(_tensors(rest))
+    ids = {id(p) for g in groups for p in g["params"]}
+    share = one_per_kind and not any(id(t) in ids for t in others)
     memo: dict[int, Any] = {}
     stand_in: dict[int, torch.Tensor] = {}
     params: list[torch.Tensor] = []
-    shared: dict[tuple[Any, ...], torch.Tensor] = {}
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in groups:
+        shared: dict[tuple[Any, ...], torch.Tensor] = {}
         for p in group["params"]:
             if id(p) in stand_in:
                 continue
-            new = shared.get((gi, *_kind(p))) if share else None
+            of_kind = _kind(p) if share else ()
+            new = shared.get(of_kind) if share else None
             if new is None:
                 with torch.no_grad():
                     data = (
@@ -101,11 +109,11 @@ def twin(
                     )
                 new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
                 if share:
-                    shared[(gi, *_kind(p))] = new
+                    shared[of_kind] = new
             stand_in[id(p)] = new
             memo[id(p)] = new
             params.append(p)
-    for t in _tensors(attrs):
+    for t in others:
         if id(t) in memo:
             continue
         view = _view_of(t, params, stand_in)
@@ -135,13 +143,6 @@ def twin(
             group["params"] = list(seen.values())
         stand_in = {live: rep.get(id(p), p) for live, p in stand_in.items()}
     return out, stand_in
-
-
-def _held_elsewhere(groups: list[dict[str, Any]], attrs: Mapping[str, Any]) -> bool:
-    """Whether an attribute other than ``param_groups`` holds one of the groups' parameters."""
-    ids = {id(p) for g in groups for p in g["params"]}
-    rest = {k: v for k, v in attrs.items() if k != "param_groups"}
-    return any(id(t) in ids for t in _tensors(rest))
 
 
 def _kind(p: torch.Tensor) -> tuple[Any, ...]:

@@ -47,7 +47,9 @@ is reported unexpected and never loaded under its name.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dsdmerge._groups import most_common
@@ -707,7 +709,10 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
         except Exception:  # noqa: BLE001 - a step that cannot run on meta tensors: a copy
             result = None
         fitting: set[Any] = set()
-        confirm = result is None or _differs(c_state, mine, result, fitting)
+        exact: set[Any] = set()
+        confirm = result is None or _differs(c_state, mine, result, fitting, exact)
+        if confirm:
+            exact.clear()  # (of the meta answer)
         is_real = False
         if confirm:
             try:
@@ -733,7 +738,8 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
         lacking = [
             (key, p)
             for key, p in mine
-            if not (key in states and c_state[key].keys() <= states[key].keys())
+            if key not in exact
+            and not (key in states and c_state[key].keys() <= states[key].keys())
             and _tensor_fields(c_state[key]) - set(states.get(key, {}))
         ]
         if lacking:
@@ -748,7 +754,7 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
                     states[key] = {**states.get(key, {}), **extra}
                     real.discard(key)
         for key, _ in mine:
-            if key in states:
+            if key in states and key not in exact:
                 states[key] = _with_siblings(c_state[key], states[key])
         if not confirm:
             checked.update(k for k in fitting if states.get(k) is result_of.get(k))
@@ -760,24 +766,63 @@ def _differs(
     mine: list[tuple[Any, Any]],
     result: Mapping[int, Any],
     fitting: set[Any],
+    exact: set[Any],
 ) -> bool:
     """Whether a meta step's ``result`` leaves out a parameter or shapes a field otherwise.
 
     ``mine``: the slot key and parameter of each checkpoint entry of ``c_state`` asked
     about. The keys whose tensors all have the shape and dtype of the fields the step
-    made are added to ``fitting``.
+    made are added to ``fitting``; those whose entry has exactly those fields, in the
+    step's order, also to ``exact``.
     """
     if result and any(id(p) not in result for _, p in mine):
         return True
     own = {key: result[id(p)] for key, p in mine if id(p) in result}
-    spelled = respelled_state({key: c_state[key] for key in own}, own)
-    differs = False
+    # the parameters of one kind share one fresh entry (one stand-in each, see _fresh.twin)
+    by_entry: dict[int, list[Any]] = {}
     for key, fresh in own.items():
-        if field_mismatches(spelled[key], fresh):
+        by_entry.setdefault(id(fresh), []).append(key)
+    rest: list[Any] = []
+    for keys in by_entry.values():
+        if _all_alike([c_state[k] for k in keys], own[keys[0]]):
+            exact.update(keys)
+        else:
+            rest += keys
+    fitting.update(exact)
+    spelled = respelled_state({key: c_state[key] for key in rest}, own)
+    differs = False
+    for key in rest:
+        if field_mismatches(spelled[key], own[key]):
             differs = True
         else:
             fitting.add(key)
     return differs
+
+
+def _all_alike(entries: list[Any], fresh: Any) -> bool:
+    """Whether every entry is a dict of ``fresh``'s fields, in its order, alike its tensors.
+
+    Alike: equal shapes, the same dtype (see :func:`_alike`). In C-level passes over all
+    the entries (a few list comparisons), not a walk per entry; False sends them to
+    :func:`field_mismatches` one by one.
+    """
+    if type(fresh) is not dict or not set(map(type, entries)) <= {dict}:
+        return False
+    names = tuple(fresh)
+    if list(map(tuple, entries)).count(names) != len(entries):
+        return False
+    values = list(chain.from_iterable(map(dict.values, entries)))
+    own = list(fresh.values())
+    try:
+        return list(map(_SHAPE, values)) == list(map(_SHAPE, own)) * len(entries) and list(
+            map(_DTYPE, values)
+        ) == list(map(_DTYPE, own)) * len(entries)
+    except AttributeError:  # a value that is no tensor
+        return False
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _with_siblings(checkpoint: Mapping[Any, Any], fresh: Mapping[Any, Any]) -> Mapping[Any, Any]:
