@@ -245,16 +245,21 @@ def fresh_states(
         Exception: Copying or stepping failed (the caller decides what that means).
     """
     tw, stand_in = twin(optimizer, kind=kind, one_per_kind=kind == "meta")
-    with rng_kept({id(p): p for p in stand_in.values()}.values()):
-        if seed is not None:
-            _seed(seed)
-        zero_step(tw, every_param=every_param, probe=probe)
-    out: dict[int, Any] = {}
-    for live_id, p in stand_in.items():
-        entry = tw.state.get(p)
-        if isinstance(entry, Mapping):
-            out[live_id] = entry
-    return out
+    try:
+        with rng_kept({id(p): p for p in stand_in.values()}.values()):
+            if seed is not None:
+                _seed(seed)
+            zero_step(tw, every_param=every_param, probe=probe)
+        out: dict[int, Any] = {}
+        for live_id, p in stand_in.items():
+            entry = tw.state.get(p)
+            if isinstance(entry, Mapping):
+                out[live_id] = entry
+        return out
+    finally:
+        # the twin is thrown away: its attributes go now, so that its stand-ins (a copy of the
+        # parameters) are freed at once, even when a hook's bound method makes it a cycle
+        vars(tw).clear()
 
 
 @contextlib.contextmanager

@@ -80,6 +80,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+from dsdmerge._gc import gc_paused
 from dsdmerge._ids import normalise_ids, respelled_state
 from dsdmerge._options import Fresh, MergeOptions
 from dsdmerge._pipeline import run, verdict
@@ -239,7 +240,8 @@ def resume_optimizer(
         fresh=fresh,
     )
     plan = plan_resume(model, optimizers, loaded, merge_options, stacklevel=3)
-    _load(plan, model, options)
+    with gc_paused():  # torch's load makes a dict per parameter, none of them cyclic
+        _load(plan, model, options)
     return plan.diff
 
 
@@ -375,8 +377,26 @@ def plan_resume(
 ) -> _Plan:
     """Everything a resume decides before anything changes: the state dicts to load.
 
+    The cyclic collector is paused meanwhile: the plan builds a few containers per
+    parameter, none of them cyclic (see :mod:`dsdmerge._gc`; a twin's copies of the
+    parameters are freed as soon as its step is read, see
+    :func:`~dsdmerge.integrations._fresh.fresh_states`).
+
     Raises as the resume helpers say (nothing changed).
     """
+    with gc_paused():
+        return _planned(model, optimizers, loaded, options, stacklevel=stacklevel + 1)
+
+
+def _planned(
+    model: Any,
+    optimizers: Any,
+    loaded: Mapping[Any, Any],
+    options: MergeOptions,
+    *,
+    stacklevel: int,
+) -> _Plan:
+    """:func:`plan_resume`, with the collector paused."""
     require_mapping(loaded, "loaded")
     rename, convert = options.rename, options.convert
     on_shape_mismatch, fresh = options.on_shape_mismatch, options.fresh
