@@ -92,7 +92,8 @@ SHARES = {
     "dicts) and `Optimizer.load_state_dict`; by hand: `set_optimizer_state_dict` (its "
     "unflatten, then `Optimizer.load_state_dict`)",
     "other": "the rest of the total (not wrapped: argument and policy checks, layout "
-    "detection, the set of states to keep)",
+    "detection, every state tensor checked against the optimizer's own fresh state on a "
+    "meta twin, the set of states to keep)",
 }
 SHARE_NAMES = tuple(SHARES)
 
