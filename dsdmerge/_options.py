@@ -107,11 +107,14 @@ class MergeOptions:
                 ``fresh`` or ``max_resize_bytes``.
             RenameError: A rename rule is not valid.
         """
-        plain = type(allow_missing) is tuple is type(allow_unexpected)
-        named = NAMED.get(policy) if type(policy) is str and plain else None
-        if named is not None and not (allow_missing or allow_unexpected):
-            resolved = named  # a name alone: its policy as it is
-        else:
+        no_globs = (  # the defaults, told by type (== on an odd value could raise)
+            type(allow_missing) is tuple is type(allow_unexpected)
+            and not allow_missing
+            and not allow_unexpected
+        )
+        # a name alone is its policy as it is (what resolve_policy returns for it)
+        resolved = NAMED.get(policy) if type(policy) is str and no_globs else None
+        if resolved is None:
             resolved = resolve_policy(
                 policy, allow_missing=allow_missing, allow_unexpected=allow_unexpected
             )

@@ -96,20 +96,17 @@ def twin(
     stand_in: dict[int, torch.Tensor] = {}
     params: list[torch.Tensor] = []
     for group in groups:
-        shared: dict[tuple[Any, ...], torch.Tensor] = {}
+        made: dict[Any, torch.Tensor] = {}  # per kind (shared) or per parameter
         for p in group["params"]:
             if id(p) in stand_in:
                 continue
-            of_kind = _kind(p) if share else ()
-            new = shared.get(of_kind) if share else None
+            new = made.get(by := _kind(p) if share else id(p))
             if new is None:
                 with torch.no_grad():
                     data = (
                         torch.empty_like(p, device="meta") if kind == "meta" else p.detach().clone()
                     )
-                new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-                if share:
-                    shared[of_kind] = new
+                new = made[by] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
             stand_in[id(p)] = new
             memo[id(p)] = new
             params.append(p)

@@ -709,10 +709,7 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
         except Exception:  # noqa: BLE001 - a step that cannot run on meta tensors: a copy
             result = None
         fitting: set[Any] = set()
-        exact: set[Any] = set()
-        confirm = result is None or _differs(c_state, mine, result, fitting, exact)
-        if confirm:
-            exact.clear()  # (of the meta answer)
+        confirm = result is None or _differs(c_state, mine, result, fitting)
         is_real = False
         if confirm:
             try:
@@ -738,8 +735,7 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
         lacking = [
             (key, p)
             for key, p in mine
-            if key not in exact
-            and not (key in states and c_state[key].keys() <= states[key].keys())
+            if not (key in states and c_state[key].keys() <= states[key].keys())
             and _tensor_fields(c_state[key]) - set(states.get(key, {}))
         ]
         if lacking:
@@ -754,7 +750,7 @@ def expected_state(slots: Slots, c_state: Mapping[Any, Any], keys: Iterable[Any]
                     states[key] = {**states.get(key, {}), **extra}
                     real.discard(key)
         for key, _ in mine:
-            if key in states and key not in exact:
+            if key in states:
                 states[key] = _with_siblings(c_state[key], states[key])
         if not confirm:
             checked.update(k for k in fitting if states.get(k) is result_of.get(k))
@@ -766,14 +762,12 @@ def _differs(
     mine: list[tuple[Any, Any]],
     result: Mapping[int, Any],
     fitting: set[Any],
-    exact: set[Any],
 ) -> bool:
     """Whether a meta step's ``result`` leaves out a parameter or shapes a field otherwise.
 
     ``mine``: the slot key and parameter of each checkpoint entry of ``c_state`` asked
     about. The keys whose tensors all have the shape and dtype of the fields the step
-    made are added to ``fitting``; those whose entry has exactly those fields, in the
-    step's order, also to ``exact``.
+    made are added to ``fitting``.
     """
     if result and any(id(p) not in result for _, p in mine):
         return True
@@ -785,10 +779,9 @@ def _differs(
     rest: list[Any] = []
     for keys in by_entry.values():
         if _all_alike([c_state[k] for k in keys], own[keys[0]]):
-            exact.update(keys)
+            fitting.update(keys)
         else:
             rest += keys
-    fitting.update(exact)
     spelled = respelled_state({key: c_state[key] for key in rest}, own)
     differs = False
     for key in rest:

@@ -681,8 +681,10 @@ def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
         MergeError: torch (or the optimizer's load hooks) rejects a part.
     """
     dsd = _needs_dsd(model, options)
+    # DSD's load may step the optimizer first (its state edited in place): not undoable
+    undoable = [not dsd and _undoable(o.optimizer) for o in plan.slots.optims]
     for n, (o, sd) in enumerate(zip(plan.slots.optims, plan.dicts, strict=True)):
-        if not dsd and _undoable(o.optimizer):
+        if undoable[n]:
             continue  # a dry run would cost as much as the load and find nothing more
         try:
             tw, _ = twin(o.optimizer, kind="meta")
@@ -695,8 +697,7 @@ def _load(plan: _Plan, model: Any, options: StateDictOptions | None) -> None:
     parts = _fqn_keyed_each(plan) if dsd else plan.dicts
     done: list[tuple[Any, dict[str, Any] | None]] = []
     for n, (o, sd) in enumerate(zip(plan.slots.optims, parts, strict=True)):
-        # DSD's load may step the optimizer first (its state edited in place): not undoable
-        done.append((o, None if dsd or not _undoable(o.optimizer) else dict(vars(o.optimizer))))
+        done.append((o, dict(vars(o.optimizer)) if undoable[n] else None))
         try:
             if dsd:
                 _dsd_load(model, o.optimizer, sd, options)
